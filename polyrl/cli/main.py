@@ -1,0 +1,130 @@
+"""`polyrl` command line: train | config | sample | pretrain-toy.
+
+    polyrl train [overrides...]            run the config (default: the embedded toy_shapes recipe)
+    polyrl config [overrides...]           print the resolved config
+    polyrl sample checkpoint=DIR [n=16] [out=PATH] [overrides...]   render a grid from a checkpoint
+    polyrl pretrain-toy [--out DIR] ...    re-train the embedded toy base model
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+USAGE = __doc__
+
+
+def _split_special(args: list[str], keys: tuple[str, ...]) -> tuple[dict, list[str]]:
+    special, rest = {}, []
+    for a in args:
+        k, _, v = a.partition("=")
+        (special.__setitem__(k, v) if k in keys and v else rest.append(a))
+    return special, rest
+
+
+def cmd_train(args: list[str]) -> int:
+    from ..config import load_config
+    from ..trainer.loop import Trainer
+
+    cfg = load_config(args)
+    trainer = Trainer(cfg)
+    print(f"polyrl: run directory {trainer.run_dir} ({trainer.actor.num_trainable:,} trainable parameters, "
+          f"device {trainer.device})", file=sys.stderr)
+    history = trainer.fit()
+    evals = [m["eval/reward_mean"] for m in history if "eval/reward_mean" in m]
+    if evals:
+        print(f"polyrl: held-out reward {evals[0]:.4f} -> {evals[-1]:.4f}", file=sys.stderr)
+    return 0
+
+
+def cmd_config(args: list[str]) -> int:
+    from omegaconf import OmegaConf
+
+    from ..config import load_config
+
+    print(OmegaConf.to_yaml(load_config(args), resolve=True), end="")
+    return 0
+
+
+def cmd_sample(args: list[str]) -> int:
+    from omegaconf import OmegaConf
+
+    from ..actor.local import load_trained_weights
+    from ..config import validate
+    from ..models import build_model
+    from ..trainer.logging import save_grid
+    from ..trainer.loop import Trainer, pick_device
+
+    special, rest = _split_special(args, ("checkpoint", "n", "out"))
+    if "checkpoint" not in special:
+        raise SystemExit("polyrl sample: checkpoint=DIR is required (a <run>/checkpoints/step_N directory)")
+    ckpt = Path(special["checkpoint"])
+    run_cfg = ckpt.parent.parent / "config.yaml"
+    if not run_cfg.is_file():
+        raise SystemExit(f"polyrl sample: {run_cfg} not found (is {ckpt} inside a polyrl run directory?)")
+    cfg = validate(OmegaConf.merge(OmegaConf.load(run_cfg), OmegaConf.from_dotlist(rest)))
+    device = pick_device(cfg.trainer.device)
+    trainer = Trainer.__new__(Trainer)  # only the parts evaluation needs: no optimizer, no run directory
+    from ..data.prompts import PromptSampler, load_prompts
+    from ..rewards import build_reward
+    from ..trainer.loop import plan_from_config
+
+    trainer.cfg, trainer.device = cfg, device
+    trainer.reward = build_reward(OmegaConf.to_container(cfg.reward))
+    trainer.sampler = PromptSampler(load_prompts(cfg.data.path), cfg.trainer.seed)
+    trainer.heldout = load_prompts(cfg.data.heldout_path) if cfg.data.heldout_path else None
+    trainer.plan = plan_from_config(cfg.rollout)
+    trainer.adapter = build_model(cfg.model, device)
+    load_trained_weights(trainer.adapter, ckpt)
+    n = int(special.get("n", cfg.trainer.num_validation))
+    mean, batch = trainer.evaluate(n=n)
+    out = Path(special.get("out", ckpt / "samples.png"))
+    save_grid(batch.images, batch.prompts, batch.rewards.tolist(), out)
+    print(f"polyrl: wrote {out} ({n} images, mean reward {mean:.4f})")
+    return 0
+
+
+def cmd_pretrain_toy(args: list[str]) -> int:
+    from ..config import ASSETS
+    from ..toy.pretrain import pretrain_toy
+
+    p = argparse.ArgumentParser(prog="polyrl pretrain-toy", description="train the embedded toy base model")
+    p.add_argument("--out", default=str(ASSETS / "toy_shapes"))
+    p.add_argument("--prompts-dir", default=str(ASSETS / "prompts"))
+    p.add_argument("--vae-steps", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=2500)
+    p.add_argument("--num-images", type=int, default=16000)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(args)
+    out = pretrain_toy(a.out, vae_steps=a.vae_steps, steps=a.steps, num_images=a.num_images, seed=a.seed,
+                       prompts_dir=a.prompts_dir)
+    print(f"polyrl: wrote {out}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "config": cmd_config, "sample": cmd_sample, "pretrain-toy": cmd_pretrain_toy}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # silences optional-backend notices
+    if not argv or argv[0] in ("-h", "--help", "help") or argv[0] not in COMMANDS:
+        print(USAGE)
+        return 0 if not argv or argv[0] in ("-h", "--help", "help") else 2
+    from ..config import ConfigError
+
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except ConfigError as e:
+        print(f"polyrl: config error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, FileExistsError) as e:
+        print(f"polyrl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

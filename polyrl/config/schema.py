@@ -1,0 +1,171 @@
+"""The config schema and its validation (run before any model is loaded).
+
+Hydra composes the YAML groups under `polyrl/config/`; the result is merged into these dataclasses, so an
+unknown key or a wrongly typed value fails with the key's full name and the allowed keys. `reward` and
+`algorithm` are open groups whose keys are their registered class's constructor arguments, checked against
+its signature.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "sd3"
+    path: str = MISSING
+    dtype: str = "float32"
+    max_sequence_length: int = 256
+
+
+@dataclass
+class RolloutConfig:
+    height: int = 64
+    width: int = 64
+    num_steps: int = 10
+    n: int = 8  # samples per prompt (the GRPO group)
+    guidance_scale: float = 1.0
+    noise_level: float = 0.7
+    sde_window_size: int = 0  # 0: every step is stochastic and trained
+    sde_window_range: list = field(default_factory=lambda: [0, 0])
+    batch_size: int = 64
+    negative_prompt: str = ""
+
+
+@dataclass
+class ActorConfig:
+    backend: str = "local"
+    lr: float = 1e-4
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 1e-4
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    lora_rank: int = 32  # 0: full fine-tune
+    lora_alpha: float = 64.0
+    lora_targets: Optional[list] = None  # None: the model adapter's default
+    num_minibatches: int = 2  # optimizer steps per training step
+    micro_batch_size: int = 0  # 0: the whole mini-batch in one forward
+
+
+@dataclass
+class DataConfig:
+    path: str = MISSING
+    heldout_path: Optional[str] = None
+    prompts_per_step: int = 8
+    shuffle: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    output_dir: Optional[str] = None  # None: runs/<name>/<timestamp>
+    seed: int = 0
+    resume: Optional[str] = None  # None | auto | path to a checkpoint directory
+    deterministic: bool = False
+    device: str = "auto"
+    save_every: int = 10
+    eval_every: int = 10
+    eval_samples: int = 64
+    eval_seed: int = 1234
+    num_validation: int = 16  # images in each sample grid
+    progress: bool = True
+    tensorboard: bool = True
+
+
+@dataclass
+class Config:
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algorithm: Any = field(default_factory=lambda: {"name": "flow_grpo"})
+    reward: Any = field(default_factory=lambda: {"name": "shapes"})
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+class ConfigError(ValueError):
+    """A config problem, reported before anything is loaded."""
+
+
+def _allowed(node) -> str:
+    return ", ".join(sorted(node.keys()))
+
+
+def _check_choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not valid; allowed: {', '.join(map(str, allowed))}")
+
+
+def _check_kwargs(group: str, cfg: dict, registry: dict) -> None:
+    name = cfg.get("name")
+    _check_choice(f"{group}.name", name, sorted(registry))
+    params = inspect.signature(registry[name]).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    for key in cfg:
+        if key != "name" and key not in params:
+            raise ConfigError(f"unknown key {group}.{key} for {group}.name={name}; allowed: {', '.join(sorted(params))}")
+
+
+def validate(raw: DictConfig) -> DictConfig:
+    """Merge into the schema and check values and combinations; raises ConfigError with a one-line message."""
+    schema = OmegaConf.structured(Config)
+    try:
+        cfg = OmegaConf.merge(schema, raw)
+    except ConfigKeyError as e:
+        full = e.full_key or e.key
+        parent = full.rsplit(".", 1)[0] if "." in str(full) else None
+        node = OmegaConf.select(schema, parent) if parent else schema
+        raise ConfigError(f"unknown key {full}; allowed: {_allowed(node)}") from None
+    except ValidationError as e:
+        raise ConfigError(f"bad value for {e.full_key}: {e.msg.splitlines()[0]}") from None
+    for key in OmegaConf.missing_keys(cfg):
+        raise ConfigError(f"{key} must be set (e.g. `polyrl train {key}=...`)")
+
+    from ..algorithms import ALGORITHMS
+    from ..models import MODELS
+    from ..rewards import REWARDS
+
+    _check_choice("model.name", cfg.model.name, sorted(MODELS))
+    _check_choice("model.dtype", cfg.model.dtype, DTYPES)
+    _check_choice("trainer.device", cfg.trainer.device, DEVICES)
+    _check_kwargs("algorithm", OmegaConf.to_container(cfg.algorithm), ALGORITHMS)
+    _check_kwargs("reward", OmegaConf.to_container(cfg.reward), REWARDS)
+    r = cfg.rollout
+    for key in ("height", "width", "num_steps", "n", "batch_size"):
+        if r[key] < 1:
+            raise ConfigError(f"rollout.{key}={r[key]} must be >= 1")
+    if r.n < 2:
+        raise ConfigError("rollout.n must be >= 2: group advantages need at least two samples per prompt")
+    if not 0 <= r.sde_window_size <= r.num_steps:
+        raise ConfigError(f"rollout.sde_window_size={r.sde_window_size} must be in [0, rollout.num_steps={r.num_steps}]")
+    lo, hi = (list(r.sde_window_range) + [None, None])[:2]
+    if r.sde_window_size and not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= r.num_steps - r.sde_window_size):
+        raise ConfigError(
+            f"rollout.sde_window_range={list(r.sde_window_range)} must be [lo, hi] with 0 <= lo <= hi <= "
+            f"num_steps - sde_window_size = {r.num_steps - r.sde_window_size}"
+        )
+    if r.noise_level <= 0:
+        raise ConfigError(f"rollout.noise_level={r.noise_level} must be > 0 (an ODE rollout has no log-probability)")
+    a = cfg.actor
+    _check_choice("actor.backend", a.backend, ["local"])
+    if a.lora_rank < 0:
+        raise ConfigError(f"actor.lora_rank={a.lora_rank} must be >= 0 (0 = full fine-tune)")
+    batch = cfg.data.prompts_per_step * r.n
+    if not 1 <= a.num_minibatches <= batch:
+        raise ConfigError(f"actor.num_minibatches={a.num_minibatches} must be in [1, data.prompts_per_step * rollout.n = {batch}]")
+    if cfg.trainer.resume not in (None, "auto") and not str(cfg.trainer.resume).strip():
+        raise ConfigError("trainer.resume must be null, auto, or a checkpoint directory")
+    if cfg.trainer.max_steps < 0:
+        raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 0")
+    return cfg

@@ -1,0 +1,58 @@
+"""Model adapter interface: everything model-specific the sampler and trainer need, and nothing else.
+
+An adapter owns the pipeline components of one model family. The rollout and the actor only call these
+methods, so a new model family is a new file plus a registry entry.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+# A model's prompt conditioning: named tensors with the batch dimension first (e.g. SD3: prompt_embeds, pooled).
+Cond = dict[str, torch.Tensor]
+
+
+class GeneratorAdapter(Protocol):
+    transformer: torch.nn.Module  # the trainable denoiser
+    default_lora_targets: list[str]
+
+    def encode_prompts(self, prompts: list[str]) -> Cond: ...
+
+    def initial_noise(self, batch: int, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
+        """float32 latents at sigma = 1."""
+        ...
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The sampling grid σ_0 = 1 > … > σ_N = 0 (float32, length num_steps + 1)."""
+        ...
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond, neg: Cond | None, guidance: float) -> torch.Tensor:
+        """CFG velocity `v_u + s·(v_c − v_u)` in float32; `sigma` is (B,). `neg=None` or guidance 1 skips CFG."""
+        ...
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) float32 in [0, 1]."""
+        ...
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1] -> latents (the inverse of `decode`, mean of the posterior)."""
+        ...
+
+
+MODELS: dict[str, Callable[..., GeneratorAdapter]] = {}
+
+
+def register_model(name: str):
+    def wrap(cls):
+        MODELS[name] = cls
+        return cls
+
+    return wrap
+
+
+def build_model(cfg, device: torch.device) -> GeneratorAdapter:
+    if cfg.name not in MODELS:
+        raise ValueError(f"model.name={cfg.name!r} is not registered; allowed: {', '.join(sorted(MODELS))}")
+    return MODELS[cfg.name](cfg, device)

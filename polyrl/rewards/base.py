@@ -1,0 +1,45 @@
+"""Reward stage interface: images + prompts + metadata -> scores + extras.
+
+A reward is any callable object registered under a name; `build_reward(cfg)` makes one from the `reward`
+config group (`reward.name` picks the class, the other keys are its constructor arguments).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+
+@dataclass
+class RewardOutput:
+    """`scores`: (B,) float32, one per image. `extras`: per-sample diagnostics, name -> length-B list/tensor."""
+
+    scores: torch.Tensor
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Reward(Protocol):
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> RewardOutput:
+        """`images`: (B, 3, H, W) float in [0, 1] on CPU."""
+        ...
+
+
+REWARDS: dict[str, Callable[..., Reward]] = {}
+
+
+def register_reward(name: str):
+    def wrap(cls):
+        REWARDS[name] = cls
+        return cls
+
+    return wrap
+
+
+def build_reward(cfg: dict) -> Reward:
+    cfg = dict(cfg)
+    name = cfg.pop("name")
+    if name not in REWARDS:
+        raise ValueError(f"reward.name={name!r} is not registered; allowed: {', '.join(sorted(REWARDS))}")
+    return REWARDS[name](**cfg)

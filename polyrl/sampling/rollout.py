@@ -1,0 +1,106 @@
+"""The rollout stage: sample trajectories with log-probs (ALGORITHMS.md §1), decode, return a `Rollout`.
+
+All randomness comes from a `torch.Generator` the caller seeds per training step, so a resumed run draws the
+same noise as an uninterrupted one. Noise is drawn on the CPU in float32 and moved, so it does not depend on
+the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..batch import Rollout
+from ..models.base import Cond, GeneratorAdapter
+from .steps import sde_step
+
+
+@dataclass
+class SamplingPlan:
+    """What a rollout samples. `window_size` 0 means every step is stochastic and trained."""
+
+    num_steps: int
+    height: int
+    width: int
+    guidance_scale: float
+    noise_level: float
+    window_size: int = 0
+    window_range: tuple[int, int] = (0, 0)
+    batch_size: int = 16  # samples per network call (memory bound)
+
+    @property
+    def trained_steps(self) -> int:
+        return self.window_size or self.num_steps
+
+
+def window_starts(plan: SamplingPlan, batch: int, generator: torch.Generator) -> torch.Tensor:
+    """Per-sample window start, uniform in `window_range` (inclusive; Flow-GRPO-Fast placement)."""
+    if plan.window_size == 0:
+        return torch.zeros(batch, dtype=torch.long)
+    lo, hi = plan.window_range
+    return torch.randint(lo, hi + 1, (batch,), generator=generator)
+
+
+@torch.no_grad()
+def sample_latents(
+    adapter: GeneratorAdapter, cond: Cond, neg: Cond | None, noise: torch.Tensor, plan: SamplingPlan,
+    starts: torch.Tensor, generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the sampler; returns (window latents, log-probs, sigmas, noise levels, final latent)."""
+    sigmas = adapter.sigmas(plan.num_steps)
+    sigma_1 = float(sigmas[1])
+    b, w = noise.shape[0], plan.trained_steps
+    device = noise.device
+    x = noise.float()
+    states, log_probs, levels = [x.cpu()], [], []
+    for j in range(plan.num_steps):
+        in_window = ((j >= starts) & (j < starts + w)).float().to(device)
+        level = plan.noise_level * in_window
+        sigma = sigmas[j].to(device).expand(b)
+        v = adapter.velocity(x, sigma, cond, neg, plan.guidance_scale)
+        z = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(device)
+        out = sde_step(x, v, sigma, sigmas[j + 1].to(device).expand(b), level, sigma_1, noise=z)
+        x = out.sample
+        states.append(x.cpu())
+        log_probs.append(out.log_prob.cpu())
+        levels.append(level.cpu())
+    states_t = torch.stack(states, 1)  # (B, N+1, ...)
+    lp_t, lv_t = torch.stack(log_probs, 1), torch.stack(levels, 1)  # (B, N)
+    pos = starts.view(-1, 1) + torch.arange(w + 1).view(1, -1)  # (B, W+1)
+    win_latents = states_t[torch.arange(b).view(-1, 1), pos]
+    win_sigmas = sigmas[pos]
+    win_lp = torch.gather(lp_t, 1, pos[:, :w])
+    win_levels = torch.gather(lv_t, 1, pos[:, :w])
+    return win_latents, win_lp, win_sigmas, win_levels, x.cpu()
+
+
+def rollout(
+    adapter: GeneratorAdapter, prompts: list[str], metadata: list[dict], group_ids: torch.Tensor,
+    plan: SamplingPlan, generator: torch.Generator, negative_prompt: str = "", initial_noise: torch.Tensor | None = None,
+    decode: bool = True,
+) -> Rollout:
+    """Sample len(prompts) trajectories in chunks of `plan.batch_size` and (optionally) decode them."""
+    device = adapter.device
+    cond = adapter.encode_prompts(prompts)
+    neg = adapter.encode_prompts([negative_prompt]) if plan.guidance_scale != 1.0 else None
+    b = len(prompts)
+    if initial_noise is None:
+        initial_noise = torch.cat([adapter.initial_noise(1, plan.height, plan.width, generator) for _ in range(b)])
+    starts = window_starts(plan, b, generator)
+    parts = []
+    for i in range(0, b, plan.batch_size):
+        sl = slice(i, min(b, i + plan.batch_size))
+        c = {k: v[sl] for k, v in cond.items()}
+        n = None if neg is None else {k: v.expand(c["pooled"].shape[0], *v.shape[1:]) for k, v in neg.items()}
+        parts.append(sample_latents(adapter, c, n, initial_noise[sl].to(device), plan, starts[sl], generator))
+    latents, log_probs, sigmas, levels, final = (torch.cat(t) for t in zip(*parts))
+    images = None
+    if decode:
+        images = torch.cat([adapter.decode(final[i : i + plan.batch_size].to(device)).cpu()
+                            for i in range(0, b, plan.batch_size)])
+    return Rollout(
+        prompts=list(prompts), metadata=list(metadata), group_ids=group_ids,
+        cond={k: v.cpu() for k, v in cond.items()}, neg=None if neg is None else {k: v.cpu() for k, v in neg.items()},
+        latents=latents, log_probs=log_probs, sigmas=sigmas, noise_levels=levels, final=final, images=images,
+    )

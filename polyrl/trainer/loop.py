@@ -1,0 +1,216 @@
+"""The training loop: prompts → rollout → reward → advantage → update, with eval, logging and checkpoints.
+
+It holds no model or algorithm special case: those live behind the adapter, reward, algorithm and actor
+registries, built from the config.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from ..actor.local import LocalActor
+from ..algorithms import build_algorithm, compute_advantages
+from ..algorithms.advantage import zero_std_ratio
+from ..batch import Rollout
+from ..data.prompts import PromptSampler, load_prompts, split_row
+from ..models import build_model
+from ..rewards import build_reward
+from ..sampling.rollout import SamplingPlan, rollout
+from .checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from .logging import MetricsLogger, plot_reward_curve, save_grid
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
+    return torch.device(name)
+
+
+def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
+    """The RNG of one (step, purpose): independent of everything before it, so resume is exact."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 16 + stream)
+
+
+def plan_from_config(r: DictConfig) -> SamplingPlan:
+    return SamplingPlan(
+        num_steps=r.num_steps, height=r.height, width=r.width, guidance_scale=r.guidance_scale,
+        noise_level=r.noise_level, window_size=r.sde_window_size, window_range=tuple(r.sde_window_range),
+        batch_size=r.batch_size,
+    )
+
+
+def resolve_run_dir(cfg: DictConfig) -> tuple[Path, Path | None]:
+    """(run directory, checkpoint to resume from or None)."""
+    t = cfg.trainer
+    if t.resume not in (None, "auto"):
+        ckpt = Path(t.resume)
+        if not (ckpt / "trainer_state.pt").is_file():
+            raise FileNotFoundError(f"trainer.resume={t.resume!r} is not a checkpoint directory (no trainer_state.pt)")
+        return ckpt.parent.parent, ckpt
+    if t.output_dir is not None:
+        run_dir = Path(t.output_dir)
+    else:
+        root = Path("runs") / cfg.name
+        runs = sorted(p for p in root.glob("*") if p.is_dir()) if root.is_dir() else []
+        with_ckpt = [p for p in runs if latest_checkpoint(p) is not None]
+        if t.resume == "auto" and with_ckpt:
+            run_dir = with_ckpt[-1]
+        else:
+            run_dir = root / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    if ckpt is not None and t.resume is None:
+        raise FileExistsError(
+            f"trainer.output_dir={str(run_dir)!r} already holds a run; pass trainer.resume=auto to continue it, "
+            "or choose another trainer.output_dir"
+        )
+    return run_dir, ckpt
+
+
+def set_determinism(deterministic: bool) -> None:
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        t = cfg.trainer
+        self.run_dir, resume_from = resolve_run_dir(cfg)
+        set_determinism(t.deterministic)
+        torch.manual_seed(t.seed)
+        self.device = pick_device(t.device)
+        # Everything that can fail on a bad config or bad data fails here, before the model is loaded.
+        self.reward = build_reward(OmegaConf.to_container(cfg.reward))
+        self.algo = build_algorithm(OmegaConf.to_container(cfg.algorithm))
+        self.sampler = PromptSampler(load_prompts(cfg.data.path), t.seed, cfg.data.shuffle)
+        self.heldout = load_prompts(cfg.data.heldout_path) if cfg.data.heldout_path else None
+        self.plan = plan_from_config(cfg.rollout)
+
+        self.adapter = build_model(cfg.model, self.device)
+        self.actor = LocalActor(self.adapter, cfg.actor, self.plan, self.algo.needs_reference)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        self.logger = MetricsLogger(self.run_dir, t.tensorboard)
+        self.step = 0
+        if resume_from is not None:
+            state = load_checkpoint(resume_from, self.actor, self.sampler)
+            self.step = state["step"]
+            self.logger.truncate_after(self.step)
+
+    # ------------------------------------------------------------------------------------------- stages
+    def score(self, batch: Rollout) -> None:
+        """Reward stage; a reward that returns the wrong shape or a non-finite score stops the run."""
+        out = self.reward(batch.images, batch.prompts, batch.metadata)
+        scores = torch.as_tensor(out.scores, dtype=torch.float32).reshape(-1)
+        if scores.numel() != len(batch) or not torch.isfinite(scores).all():
+            raise RuntimeError(
+                f"reward {self.cfg.reward.name!r} returned {scores.numel()} scores for {len(batch)} images "
+                f"(non-finite: {int((~torch.isfinite(scores)).sum())}); refusing to train on them"
+            )
+        batch.rewards, batch.reward_extras = scores, out.extras
+
+    def train_step(self) -> dict:
+        cfg, step = self.cfg, self.step
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        rows = self.sampler.next(cfg.data.prompts_per_step)
+        prompts, metadata, groups = [], [], []
+        for g, row in enumerate(rows):
+            prompt, meta = split_row(row)
+            prompts += [prompt] * cfg.rollout.n
+            metadata += [meta] * cfg.rollout.n
+            groups += [g] * cfg.rollout.n
+        batch = rollout(self.adapter, prompts, metadata, torch.tensor(groups), self.plan,
+                        step_generator(cfg.trainer.seed, step), cfg.rollout.negative_prompt)
+        timings["time/rollout"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.score(batch)
+        timings["time/reward"] = time.perf_counter() - t1
+        batch.advantages = compute_advantages(self.algo, batch)
+        t2 = time.perf_counter()
+        stats = self.actor.update(self.algo, batch, step_generator(cfg.trainer.seed, step, stream=1))
+        timings["time/train"] = time.perf_counter() - t2
+        timings["time/step"] = time.perf_counter() - t0
+        metrics = {
+            "step": step + 1,
+            "reward/mean": float(batch.rewards.mean()),
+            "reward/std": float(batch.rewards.std(unbiased=False)),
+            "zero_std_ratio": zero_std_ratio(batch.rewards, batch.group_ids),
+            "adv/abs_mean": float(batch.advantages.abs().mean()),
+            **stats,
+            "lr": self.actor.optimizer.param_groups[0]["lr"],
+            **timings,
+        }
+        for k, v in batch.reward_extras.items():
+            vals = [float(x) for x in v if x is not None and not (isinstance(x, float) and math.isnan(x))]
+            if vals:
+                metrics[f"reward_extra/{k}"] = sum(vals) / len(vals)
+        return metrics
+
+    # ------------------------------------------------------------------------------------------- eval
+    @torch.no_grad()
+    def evaluate(self, rows: list[dict] | None = None, n: int | None = None) -> tuple[float, Rollout]:
+        """Held-out reward: deterministic ODE sampling from fixed noise (same seeds at every evaluation)."""
+        rows = rows if rows is not None else (self.heldout or self.sampler.rows)
+        n = n or self.cfg.trainer.eval_samples
+        picked = [rows[i % len(rows)] for i in range(n)]
+        prompts, metadata = zip(*(split_row(r) for r in picked))
+        plan = replace(self.plan, noise_level=0.0, window_size=0)
+        batch = rollout(self.adapter, list(prompts), list(metadata), torch.arange(n), plan,
+                        step_generator(self.cfg.trainer.eval_seed, 0), self.cfg.rollout.negative_prompt)
+        self.score(batch)
+        return float(batch.rewards.mean()), batch
+
+    def _eval_and_grid(self, metrics: dict) -> None:
+        t0 = time.perf_counter()
+        mean, batch = self.evaluate()
+        k = min(self.cfg.trainer.num_validation, len(batch))
+        save_grid(batch.images[:k], batch.prompts[:k], batch.rewards[:k].tolist(),
+                  self.run_dir / "samples" / f"step_{self.step:06d}.png")
+        metrics["eval/reward_mean"] = mean
+        metrics["time/eval"] = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------------------- loop
+    def fit(self) -> list[dict]:
+        t = self.cfg.trainer
+        if self.step == 0 and t.eval_every > 0:
+            m = {"step": 0}
+            self._eval_and_grid(m)
+            self.logger.log(m)
+        bar = tqdm(total=t.max_steps, initial=self.step, desc=self.cfg.name, disable=not t.progress,
+                   dynamic_ncols=True)
+        try:
+            while self.step < t.max_steps:
+                metrics = self.train_step()
+                self.step += 1
+                last = self.step == t.max_steps
+                if t.eval_every > 0 and (self.step % t.eval_every == 0 or last):
+                    self._eval_and_grid(metrics)
+                self.logger.log(metrics)
+                if t.save_every > 0 and (self.step % t.save_every == 0 or last):
+                    save_checkpoint(checkpoint_dir(self.run_dir, self.step), self.actor, self.sampler, self.step, {})
+                post = {"reward": f"{metrics['reward/mean']:.3f}"}
+                if "eval/reward_mean" in metrics:
+                    post["heldout"] = f"{metrics['eval/reward_mean']:.3f}"
+                bar.set_postfix(post)
+                bar.update(1)
+        finally:
+            bar.close()
+            history = self.logger.history()
+            if history:
+                plot_reward_curve(history, self.run_dir / "reward_curve.png")
+            self.logger.close()
+        return history
