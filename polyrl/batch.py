@@ -32,7 +32,7 @@ class Rollout:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def select(self, idx: torch.Tensor) -> "Rollout":
+    def select(self, idx: torch.Tensor) -> Rollout:
         """The sub-batch at `idx` (negative conditioning is shared, so it is kept whole)."""
         ids = idx.tolist()
         out = {}
@@ -53,7 +53,7 @@ class Rollout:
         return None if self.neg is None else {k: v.expand(batch, *v.shape[1:]) for k, v in self.neg.items()}
 
     @staticmethod
-    def cat(parts: list["Rollout"]) -> "Rollout":
+    def cat(parts: list[Rollout]) -> Rollout:
         out = {}
         for f in fields(Rollout):
             values = [getattr(p, f.name) for p in parts]

@@ -204,9 +204,9 @@ def test_single_shape_classification_sizes(reward, shape, color):
         imgs.append(draw([(color, shape, c, c + 0.2, r)], size=size, blur=blur))
         sizes.append(size)
     for size in (64, 128):
-        batch = [im for im, s in zip(imgs, sizes) if s == size]
+        batch = [im for im, s in zip(imgs, sizes, strict=False) if s == size]
         which = [case for case in cases if case[0] == size]
-        for case, dets in zip(which, reward.detect(to_tensor(batch))):
+        for case, dets in zip(which, reward.detect(to_tensor(batch)), strict=False):
             assert [(d.color, d.shape) for d in dets] == [(color, shape)], (case, dets)
 
 
@@ -221,7 +221,7 @@ def test_render_shape_classification(reward):
             imgs = [render(sp, size=size, rng=rng) for sp in specs]
             if blur:
                 imgs = [im.filter(ImageFilter.GaussianBlur(blur)) for im in imgs]
-            for sp, dets in zip(specs, reward.detect(to_tensor(imgs))):
+            for sp, dets in zip(specs, reward.detect(to_tensor(imgs)), strict=False):
                 g = sp.groups[0]
                 assert [(d.color, d.shape) for d in dets] == [(g.color, g.shape)], (size, blur, sp, dets)
 
@@ -234,7 +234,7 @@ def test_small_blurred_triangles(reward):
     for size in (32, 48):
         specs = [ShapesSpec((ObjectGroup(c, "triangle", 1),)) for c in COLORS for _ in range(5)]
         imgs = [render(sp, size=size, rng=rng).filter(ImageFilter.GaussianBlur(1)) for sp in specs]
-        for sp, dets in zip(specs, reward.detect(to_tensor(imgs))):
+        for sp, dets in zip(specs, reward.detect(to_tensor(imgs)), strict=False):
             assert [(d.color, d.shape) for d in dets] == [(sp.groups[0].color, "triangle")], (size, dets)
 
 
@@ -269,7 +269,7 @@ def _render_batch(n: int, seed: int, blur: float = 0.0):
 def test_render_scores_one(reward):
     specs, imgs = _render_batch(50, seed=0)
     out = reward(imgs, [s.text() for s in specs], [{}] * len(specs))
-    bad = [(s.text(), v) for s, v in zip(specs, out.scores.tolist()) if v != 1.0]
+    bad = [(s.text(), v) for s, v in zip(specs, out.scores.tolist(), strict=False) if v != 1.0]
     assert not bad, bad
 
 

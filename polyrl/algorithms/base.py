@@ -7,7 +7,8 @@ current (or reference) weights.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 

@@ -96,10 +96,12 @@ def cmd_pretrain_toy(args: list[str]) -> int:
     p.add_argument("--vae-steps", type=int, default=1000)
     p.add_argument("--steps", type=int, default=2500)
     p.add_argument("--num-images", type=int, default=16000)
+    p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
     a = p.parse_args(args)
-    out = pretrain_toy(a.out, vae_steps=a.vae_steps, steps=a.steps, num_images=a.num_images, seed=a.seed,
-                       prompts_dir=a.prompts_dir)
+    out = pretrain_toy(a.out, vae_steps=a.vae_steps, steps=a.steps, num_images=a.num_images, batch=a.batch,
+                       seed=a.seed, prompts_dir=a.prompts_dir, device=a.device)
     print(f"polyrl: wrote {out}")
     return 0
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
@@ -51,7 +51,7 @@ class ActorConfig:
     grad_clip: float = 1.0
     lora_rank: int = 32  # 0: full fine-tune
     lora_alpha: float = 64.0
-    lora_targets: Optional[list] = None  # None: the model adapter's default
+    lora_targets: list | None = None  # None: the model adapter's default
     num_minibatches: int = 2  # optimizer steps per training step
     micro_batch_size: int = 0  # 0: the whole mini-batch in one forward
 
@@ -59,7 +59,7 @@ class ActorConfig:
 @dataclass
 class DataConfig:
     path: str = MISSING
-    heldout_path: Optional[str] = None
+    heldout_path: str | None = None
     prompts_per_step: int = 8
     shuffle: bool = True
 
@@ -67,9 +67,9 @@ class DataConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = 100
-    output_dir: Optional[str] = None  # None: runs/<name>/<timestamp>
+    output_dir: str | None = None  # None: runs/<name>/<timestamp>
     seed: int = 0
-    resume: Optional[str] = None  # None | auto | path to a checkpoint directory
+    resume: str | None = None  # None | auto | path to a checkpoint directory
     deterministic: bool = False
     device: str = "auto"
     save_every: int = 10

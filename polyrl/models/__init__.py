@@ -1,4 +1,4 @@
-from .base import MODELS, Cond, GeneratorAdapter, build_model, register_model
 from . import sd3  # noqa: F401  (registers "sd3")
+from .base import MODELS, Cond, GeneratorAdapter, build_model, register_model
 
 __all__ = ["MODELS", "Cond", "GeneratorAdapter", "build_model", "register_model"]

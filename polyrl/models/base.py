@@ -6,7 +6,8 @@ methods, so a new model family is a new file plus a registry entry.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 

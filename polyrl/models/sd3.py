@@ -55,7 +55,7 @@ def encode_sd3_prompts(text_encoders, tokenizers, prompts: list[str], transforme
     """SD3 conditioning: CLIP penultimate hidden states (concatenated on features, zero-padded to the joint width)
     followed by T5 tokens on the sequence axis; pooled = concatenated CLIP projections, zero-padded."""
     clip_hidden, pooled = [], []
-    for model, tok in zip(text_encoders[:2], tokenizers[:2]):
+    for model, tok in zip(text_encoders[:2], tokenizers[:2], strict=False):
         if model is None:
             continue
         ids = _tokenize(tok, prompts, min(tok.model_max_length, 77), model.device)

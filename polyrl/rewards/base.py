@@ -6,8 +6,9 @@ config group (`reward.name` picks the class, the other keys are its constructor 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 

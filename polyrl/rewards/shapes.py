@@ -211,7 +211,7 @@ class ShapesReward:
         metadata = list(metadata) if metadata is not None else [{}] * bsz
         if len(metadata) != bsz:
             raise ValueError(f"got {bsz} images but {len(metadata)} metadata entries")
-        specs = [self._spec(p, m) for p, m in zip(prompts, metadata)]  # parse first: bad prompts fail fast
+        specs = [self._spec(p, m) for p, m in zip(prompts, metadata, strict=False)]  # parse first: bad prompts fail fast
 
         comp = self._components(images)
         nc, ns = len(_COLOR_NAMES), len(SHAPES)

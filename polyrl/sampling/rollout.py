@@ -94,7 +94,7 @@ def rollout(
         c = {k: v[sl] for k, v in cond.items()}
         n = None if neg is None else {k: v.expand(c["pooled"].shape[0], *v.shape[1:]) for k, v in neg.items()}
         parts.append(sample_latents(adapter, c, n, initial_noise[sl].to(device), plan, starts[sl], generator))
-    latents, log_probs, sigmas, levels, final = (torch.cat(t) for t in zip(*parts))
+    latents, log_probs, sigmas, levels, final = (torch.cat(t) for t in zip(*parts, strict=False))
     images = None
     if decode:
         images = torch.cat([adapter.decode(final[i : i + plan.batch_size].to(device)).cpu()

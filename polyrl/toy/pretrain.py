@@ -44,12 +44,12 @@ def _images(specs, rng: random.Random, size: int) -> torch.Tensor:
 
 def pretrain_toy(
     out: str | Path, vae_steps: int = 1500, steps: int = 3000, num_images: int = 16000, batch: int = 64,
-    lr: float = 5e-4, seed: int = 0, prompts_dir: str | Path | None = None,
+    lr: float = 5e-4, seed: int = 0, prompts_dir: str | Path | None = None, device: str = "cpu",
 ) -> Path:
     torch.manual_seed(seed)
     rng = random.Random(seed)
     spec = toy_spec()
-    pipe = build_tiny_sd3(spec, seed)
+    pipe = build_tiny_sd3(spec, seed).to(device)
     specs = task.all_specs()
     t0 = time.time()
 
@@ -57,7 +57,7 @@ def pretrain_toy(
     vae = pipe.vae.train()
     opt = torch.optim.Adam(vae.parameters(), lr=2e-3)
     for _ in (bar := tqdm(range(vae_steps), desc="vae")):
-        x = _images(_sample_specs(rng, 32, specs), rng, spec.image_size) * 2 - 1
+        x = (_images(_sample_specs(rng, 32, specs), rng, spec.image_size) * 2 - 1).to(device)
         post = vae.encode(x).latent_dist
         recon = vae.decode(post.sample()).sample
         loss = F.mse_loss(recon, x) + 1e-6 * post.kl().mean()
@@ -68,7 +68,8 @@ def pretrain_toy(
     vae.eval().requires_grad_(False)
     check = _sample_specs(rng, 64, specs)
     with torch.no_grad():
-        recon = (vae.decode(vae.encode(_images(check, rng, spec.image_size) * 2 - 1).latent_dist.mean).sample / 2 + 0.5)
+        x = (_images(check, rng, spec.image_size) * 2 - 1).to(device)
+        recon = (vae.decode(vae.encode(x).latent_dist.mean).sample / 2 + 0.5).cpu()
     from ..rewards.shapes import ShapesReward
 
     score = ShapesReward()(recon.clamp(0, 1), [c.text() for c in check], [{} for _ in check]).scores.mean().item()
@@ -78,7 +79,7 @@ def pretrain_toy(
     data_specs = _sample_specs(rng, num_images, specs)
     with torch.no_grad():
         lat = torch.cat([
-            vae.encode(_images(data_specs[i : i + 256], rng, spec.image_size) * 2 - 1).latent_dist.mean
+            vae.encode((_images(data_specs[i : i + 256], rng, spec.image_size) * 2 - 1).to(device)).latent_dist.mean
             for i in range(0, num_images, 256)
         ])
     shift, scale = lat.mean().item(), 1.0 / lat.std().item()
@@ -95,10 +96,10 @@ def pretrain_toy(
     tokenizers = [pipe.tokenizer, None, None]
     for _ in (bar := tqdm(range(steps), desc="flow")):
         idx = torch.randint(0, num_images, (batch,))
-        x0 = lat[idx]
+        x0 = lat[idx.to(lat.device)]
         batch_prompts = ["" if rng.random() < 0.1 else prompts[i] for i in idx.tolist()]
         cond = encode_sd3_prompts(encoders, tokenizers, batch_prompts, tr.config, 0)
-        sigma = torch.sigmoid(torch.randn(batch))
+        sigma = torch.sigmoid(torch.randn(batch, device=x0.device))
         noise = torch.randn_like(x0)
         s = sigma.view(-1, 1, 1, 1)
         xt = (1 - s) * x0 + s * noise
@@ -113,10 +114,10 @@ def pretrain_toy(
     tr.eval()
     te.eval()
     out = Path(out)
-    pipe.save_pretrained(str(out))
+    pipe.to("cpu").save_pretrained(str(out))
     (out / "pretrain.json").write_text(json.dumps({
         "vae_steps": vae_steps, "steps": steps, "num_images": num_images, "batch": batch, "lr": lr, "seed": seed,
-        "seconds": round(time.time() - t0, 1), "torch": torch.__version__,
+        "seconds": round(time.time() - t0, 1), "torch": torch.__version__, "device": str(device),
     }, indent=2))
     if prompts_dir is not None:
         write_prompt_files(prompts_dir)
@@ -132,3 +133,21 @@ def write_prompt_files(prompts_dir: str | Path, seed: int = 0) -> None:
         with open(prompts_dir / name, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
+
+
+def evaluate_toy(path: str | Path, prompts_file: str | Path, n: int = 64, num_steps: int = 10, device: str = "cpu",
+                 seed: int = 1234) -> float:
+    """Mean `shapes` reward of ODE samples (fixed seeds) on the first n prompts of `prompts_file`."""
+    from types import SimpleNamespace
+
+    from ..data.prompts import load_prompts, split_row
+    from ..models.sd3 import SD3Adapter
+    from ..rewards.shapes import ShapesReward
+    from ..sampling.rollout import SamplingPlan, rollout
+
+    adapter = SD3Adapter(SimpleNamespace(path=str(path), dtype="float32", max_sequence_length=16), torch.device(device))
+    rows = load_prompts(prompts_file)
+    prompts, meta = zip(*(split_row(rows[i % len(rows)]) for i in range(n)), strict=False)
+    plan = SamplingPlan(num_steps=num_steps, height=64, width=64, guidance_scale=1.0, noise_level=0.0, batch_size=64)
+    batch = rollout(adapter, list(prompts), list(meta), torch.arange(n), plan, torch.Generator().manual_seed(seed))
+    return ShapesReward()(batch.images, batch.prompts, batch.metadata).scores.mean().item()

@@ -82,9 +82,9 @@ def plot_reward_curve(history: list[dict], path: Path) -> None:
     train = [(m["step"], m["reward/mean"]) for m in history if "reward/mean" in m]
     evals = [(m["step"], m["eval/reward_mean"]) for m in history if "eval/reward_mean" in m]
     if train:
-        ax.plot(*zip(*train), label="train reward (rollout mean)", alpha=0.7)
+        ax.plot(*zip(*train, strict=False), label="train reward (rollout mean)", alpha=0.7)
     if evals:
-        ax.plot(*zip(*evals), "o-", label="held-out reward (eval)")
+        ax.plot(*zip(*evals, strict=False), "o-", label="held-out reward (eval)")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)

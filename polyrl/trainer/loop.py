@@ -167,7 +167,7 @@ class Trainer:
         rows = rows if rows is not None else (self.heldout or self.sampler.rows)
         n = n or self.cfg.trainer.eval_samples
         picked = [rows[i % len(rows)] for i in range(n)]
-        prompts, metadata = zip(*(split_row(r) for r in picked))
+        prompts, metadata = zip(*(split_row(r) for r in picked), strict=False)
         plan = replace(self.plan, noise_level=0.0, window_size=0)
         batch = rollout(self.adapter, list(prompts), list(metadata), torch.arange(n), plan,
                         step_generator(self.cfg.trainer.eval_seed, 0), self.cfg.rollout.negative_prompt)

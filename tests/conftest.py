@@ -1,0 +1,32 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", min(2, os.cpu_count() or 1))))
+
+SHAPE_PROMPTS = [
+    "two red circles above a blue square",
+    "a green triangle",
+    "three yellow squares",
+    "a blue circle to the left of a red triangle",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_dir(tmp_path_factory):
+    """A tiny SD3 pipeline with all three text encoders, saved with save_pretrained."""
+    from polyrl.models.tiny import TinySD3Spec, save_tiny_sd3
+
+    words = sorted({w for p in SHAPE_PROMPTS for w in p.split()})
+    path = tmp_path_factory.mktemp("tiny_sd3")
+    return save_tiny_sd3(TinySD3Spec(words=words, image_size=32), path)
+
+
+@pytest.fixture(scope="session")
+def shape_prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "prompts.txt"
+    path.write_text("\n".join(SHAPE_PROMPTS) + "\n")
+    return path

@@ -1,0 +1,127 @@
+"""Tests of config composition and validation (polyrl/config) and of the CLI's config-error path."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from polyrl.cli.main import main
+from polyrl.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize("override", ["trainer.foo=1", "+trainer.foo=1"])
+def test_unknown_trainer_key(override):
+    with pytest.raises(ConfigError, match=r"unknown key trainer\.foo") as e:
+        load_config([override])
+    msg = str(e.value)
+    assert "allowed:" in msg
+    for key in ("max_steps", "output_dir", "seed", "resume"):
+        assert key in msg
+
+
+def test_unknown_top_level_key():
+    with pytest.raises(ConfigError, match=r"unknown key foo\b") as e:
+        load_config(["foo=1"])
+    for key in ("trainer", "rollout", "model", "algorithm"):
+        assert key in str(e.value)
+
+
+def test_unknown_algorithm_option():
+    with pytest.raises(ConfigError, match="nope") as e:
+        load_config(["algorithm=nope"])
+    assert "flow_grpo" in str(e.value)
+
+
+def test_unknown_algorithm_arg():
+    with pytest.raises(ConfigError, match=r"algorithm\.bogus") as e:
+        load_config(["algorithm.bogus=1"])
+    assert "clip_range" in str(e.value) and "kl_beta" in str(e.value)
+
+
+def test_unknown_reward_arg():
+    with pytest.raises(ConfigError, match=r"reward\.bogus") as e:
+        load_config(["reward.bogus=1"])
+    assert "min_area" in str(e.value)
+
+
+def test_bad_dtype():
+    with pytest.raises(ConfigError, match=r"model\.dtype='int8'.*allowed: .*bfloat16"):
+        load_config(["model.dtype=int8"])
+
+
+def test_group_size_one():
+    with pytest.raises(ConfigError, match=r"rollout\.n must be >= 2"):
+        load_config(["rollout.n=1"])
+
+
+@pytest.mark.parametrize("window_range", ["[0,9]", "[3,1]", "[-1,2]"])
+def test_bad_sde_window_range(window_range):
+    with pytest.raises(ConfigError, match=r"rollout\.sde_window_range=.*num_steps - sde_window_size = 8"):
+        load_config(["rollout.sde_window_size=2", f"rollout.sde_window_range={window_range}"])
+
+
+def test_good_sde_window_range():
+    cfg = load_config(["rollout.sde_window_size=2", "rollout.sde_window_range=[0,5]"])
+    assert list(cfg.rollout.sde_window_range) == [0, 5] and cfg.rollout.sde_window_size == 2
+
+
+def test_bad_window_size():
+    with pytest.raises(ConfigError, match=r"rollout\.sde_window_size=11"):
+        load_config(["rollout.sde_window_size=11"])
+
+
+def test_bad_type():
+    with pytest.raises(ConfigError, match=r"rollout\.height.*abc"):
+        load_config(["rollout.height=abc"])
+
+
+def test_missing_model_path_for_sd35_recipe():
+    with pytest.raises(ConfigError, match=r"model\.path must be set"):
+        load_config(["recipe=sd35_flowgrpo"])
+
+
+def test_too_many_minibatches():
+    # default: 8 prompts per step × 8 samples = 64
+    with pytest.raises(ConfigError, match=re.escape("actor.num_minibatches=65 must be in [1, data.prompts_per_step")):
+        load_config(["actor.num_minibatches=65"])
+    assert load_config(["actor.num_minibatches=64"]).actor.num_minibatches == 64
+
+
+def test_default_config_keys():
+    cfg = load_config([])
+    for key in ("max_steps", "output_dir", "seed", "resume"):
+        assert key in cfg.trainer
+    for key in ("height", "width", "num_steps", "n"):
+        assert key in cfg.rollout
+    assert "path" in cfg.model and "path" in cfg.data
+    assert cfg.trainer.output_dir is None and cfg.trainer.resume is None
+    assert isinstance(cfg.trainer.max_steps, int) and isinstance(cfg.trainer.seed, int)
+    assert cfg.rollout.n >= 2 and cfg.rollout.num_steps >= 1
+    assert isinstance(cfg.model.path, str) and cfg.model.path
+    assert cfg.data.path.endswith(".jsonl")
+
+
+def test_sd35_recipe_composes():
+    cfg = load_config(["recipe=sd35_flowgrpo", "model.path=/x", "data.path=/y.txt"])
+    assert cfg.rollout.height == 512 and cfg.rollout.width == 512
+    assert cfg.rollout.guidance_scale == 4.5
+    assert cfg.algorithm.kl_beta == 0.04
+    assert cfg.algorithm.name == "flow_grpo"
+    assert cfg.reward.name == "jpeg_compressibility"
+    assert cfg.model.path == "/x" and cfg.data.path == "/y.txt"
+    assert cfg.model.dtype == "bfloat16"
+
+
+def test_cli_config_error(capsys):
+    assert main(["config", "trainer.foo=1"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"^polyrl: config error: unknown key trainer\.foo", err, re.M)
+    assert "max_steps" in err
+
+
+def test_cli_config_prints_resolved(capsys):
+    assert main(["config", "trainer.max_steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^  max_steps: 7$", out, re.M)
+    assert "${" not in out  # interpolations resolved
