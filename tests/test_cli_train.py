@@ -79,7 +79,7 @@ def test_resume_matches_uninterrupted_run(tiny_sd3_dir, shape_prompts_file, tmp_
 def test_full_finetune_with_kl_runs(tiny_sd3_dir, shape_prompts_file, tmp_path):
     out = tmp_path / "run"
     args = _common(tiny_sd3_dir, shape_prompts_file, out, 1,
-                   ["actor=full", "algorithm.kl_beta=0.1", "trainer.eval_every=0", "trainer.save_every=1"])
+                   ["actor.lora_rank=0", "actor.lr=1e-5", "algorithm.kl_beta=0.1", "trainer.eval_every=0", "trainer.save_every=1"])
     assert main(args) == 0
     assert (out / "checkpoints" / "step_000001" / "transformer.safetensors").is_file()
     assert _metrics(out)[0]["kl"] >= 0

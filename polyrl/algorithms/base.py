@@ -7,12 +7,12 @@ current (or reference) weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from ..batch import Rollout
+from ..registry import Registry
 from ..sampling.steps import StepOut
 from .advantage import group_advantages
 
@@ -35,20 +35,10 @@ def compute_advantages(algo: Algorithm, batch: Rollout) -> torch.Tensor:
     return group_advantages(batch.rewards, batch.group_ids, algo.adv_std, algo.adv_clip_max)
 
 
-ALGORITHMS: dict[str, Callable[..., Algorithm]] = {}
-
-
-def register_algorithm(name: str):
-    def wrap(cls):
-        ALGORITHMS[name] = cls
-        return cls
-
-    return wrap
+ALGORITHMS = Registry("algorithm")
+register_algorithm = ALGORITHMS.register
 
 
 def build_algorithm(cfg: dict) -> Algorithm:
     cfg = dict(cfg)
-    name = cfg.pop("name")
-    if name not in ALGORITHMS:
-        raise ValueError(f"algorithm.name={name!r} is not registered; allowed: {', '.join(sorted(ALGORITHMS))}")
-    return ALGORITHMS[name](**cfg)
+    return ALGORITHMS.build(cfg.pop("name"), **cfg)

@@ -6,10 +6,11 @@ methods, so a new model family is a new file plus a registry entry.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
+
+from ..registry import Registry
 
 # A model's prompt conditioning: named tensors with the batch dimension first (e.g. SD3: prompt_embeds, pooled).
 Cond = dict[str, torch.Tensor]
@@ -17,6 +18,7 @@ Cond = dict[str, torch.Tensor]
 
 class GeneratorAdapter(Protocol):
     transformer: torch.nn.Module  # the trainable denoiser
+    device: torch.device
     default_lora_targets: list[str]
 
     def encode_prompts(self, prompts: list[str]) -> Cond: ...
@@ -42,18 +44,9 @@ class GeneratorAdapter(Protocol):
         ...
 
 
-MODELS: dict[str, Callable[..., GeneratorAdapter]] = {}
-
-
-def register_model(name: str):
-    def wrap(cls):
-        MODELS[name] = cls
-        return cls
-
-    return wrap
+MODELS = Registry("model")
+register_model = MODELS.register
 
 
 def build_model(cfg, device: torch.device) -> GeneratorAdapter:
-    if cfg.name not in MODELS:
-        raise ValueError(f"model.name={cfg.name!r} is not registered; allowed: {', '.join(sorted(MODELS))}")
-    return MODELS[cfg.name](cfg, device)
+    return MODELS.build(cfg.name, cfg, device)

@@ -6,11 +6,12 @@ config group (`reward.name` picks the class, the other keys are its constructor 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from ..registry import Registry
 
 
 @dataclass
@@ -27,20 +28,10 @@ class Reward(Protocol):
         ...
 
 
-REWARDS: dict[str, Callable[..., Reward]] = {}
-
-
-def register_reward(name: str):
-    def wrap(cls):
-        REWARDS[name] = cls
-        return cls
-
-    return wrap
+REWARDS = Registry("reward")
+register_reward = REWARDS.register
 
 
 def build_reward(cfg: dict) -> Reward:
     cfg = dict(cfg)
-    name = cfg.pop("name")
-    if name not in REWARDS:
-        raise ValueError(f"reward.name={name!r} is not registered; allowed: {', '.join(sorted(REWARDS))}")
-    return REWARDS[name](**cfg)
+    return REWARDS.build(cfg.pop("name"), **cfg)

@@ -75,6 +75,12 @@ def sample_latents(
     return win_latents, win_lp, win_sigmas, win_levels, x.cpu()
 
 
+def decode_images(adapter: GeneratorAdapter, latents: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Decode clean latents in chunks; images (B, 3, H, W) in [0, 1] on the CPU."""
+    return torch.cat([adapter.decode(latents[i : i + batch_size].to(adapter.device)).cpu()
+                      for i in range(0, latents.shape[0], batch_size)])
+
+
 def rollout(
     adapter: GeneratorAdapter, prompts: list[str], metadata: list[dict], group_ids: torch.Tensor,
     plan: SamplingPlan, generator: torch.Generator, negative_prompt: str = "", initial_noise: torch.Tensor | None = None,
@@ -95,10 +101,7 @@ def rollout(
         n = None if neg is None else {k: v.expand(c["pooled"].shape[0], *v.shape[1:]) for k, v in neg.items()}
         parts.append(sample_latents(adapter, c, n, initial_noise[sl].to(device), plan, starts[sl], generator))
     latents, log_probs, sigmas, levels, final = (torch.cat(t) for t in zip(*parts, strict=False))
-    images = None
-    if decode:
-        images = torch.cat([adapter.decode(final[i : i + plan.batch_size].to(device)).cpu()
-                            for i in range(0, b, plan.batch_size)])
+    images = decode_images(adapter, final, plan.batch_size) if decode else None
     return Rollout(
         prompts=list(prompts), metadata=list(metadata), group_ids=group_ids,
         cond={k: v.cpu() for k, v in cond.items()}, neg=None if neg is None else {k: v.cpu() for k, v in neg.items()},

@@ -24,7 +24,7 @@ from ..batch import Rollout
 from ..data.prompts import PromptSampler, load_prompts, split_row
 from ..models import build_model
 from ..rewards import build_reward
-from ..sampling.rollout import SamplingPlan, rollout
+from ..sampling.rollout import SamplingPlan, decode_images, rollout
 from .checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsLogger, plot_reward_curve, save_grid
 
@@ -134,8 +134,11 @@ class Trainer:
             metadata += [meta] * cfg.rollout.n
             groups += [g] * cfg.rollout.n
         batch = rollout(self.adapter, prompts, metadata, torch.tensor(groups), self.plan,
-                        step_generator(cfg.trainer.seed, step), cfg.rollout.negative_prompt)
+                        step_generator(cfg.trainer.seed, step), cfg.rollout.negative_prompt, decode=False)
         timings["time/rollout"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        batch.images = decode_images(self.adapter, batch.final, self.plan.batch_size)
+        timings["time/decode"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         self.score(batch)
         timings["time/reward"] = time.perf_counter() - t1
