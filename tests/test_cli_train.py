@@ -16,7 +16,7 @@ def _common(model_dir, prompts, out, steps, extra=()):
         "rollout.num_steps=3", "rollout.n=2", "data.prompts_per_step=2", "rollout.batch_size=4",
         "rollout.guidance_scale=2.0", "model.max_sequence_length=16", "trainer.eval_samples=4",
         "trainer.num_validation=4", "trainer.progress=false", "trainer.tensorboard=false",
-        "reward=jpeg_compressibility", *extra,
+        "reward=jpeg_compressibility", "rollout.sde_window_size=2", "rollout.sde_window_range=[0,1]", *extra,
     ]
 
 

@@ -77,7 +77,7 @@ def test_bad_type():
 
 
 def test_missing_model_path_for_sd35_recipe():
-    with pytest.raises(ConfigError, match=r"model\.path must be set"):
+    with pytest.raises(ConfigError, match=r"model\.path(, data\.path)? must be set"):
         load_config(["recipe=sd35_flowgrpo"])
 
 

@@ -129,8 +129,10 @@ def validate(raw: DictConfig) -> DictConfig:
         raise ConfigError(f"unknown key {full}; allowed: {_allowed(node)}") from None
     except ValidationError as e:
         raise ConfigError(f"bad value for {e.full_key}: {e.msg.splitlines()[0]}") from None
-    for key in OmegaConf.missing_keys(cfg):
-        raise ConfigError(f"{key} must be set (e.g. `polyrl train {key}=...`)")
+    missing = sorted(OmegaConf.missing_keys(cfg), key=lambda k: ("model", "data").index(k.split(".")[0])
+                     if k.split(".")[0] in ("model", "data") else 2)
+    if missing:
+        raise ConfigError(f"{', '.join(missing)} must be set (e.g. `polyrl train {missing[0]}=...`)")
 
     from ..algorithms import ALGORITHMS
     from ..models import MODELS
