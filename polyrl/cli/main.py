@@ -53,9 +53,11 @@ def cmd_sample(args: list[str]) -> int:
 
     from ..actor.local import load_trained_weights
     from ..config import validate
+    from ..data.prompts import load_prompts
     from ..models import build_model
+    from ..rewards import build_reward
     from ..trainer.logging import save_grid
-    from ..trainer.loop import Trainer, pick_device
+    from ..trainer.loop import evaluate, pick_device, plan_from_config
 
     special, rest = _split_special(args, ("checkpoint", "n", "out"))
     if "checkpoint" not in special:
@@ -65,21 +67,12 @@ def cmd_sample(args: list[str]) -> int:
     if not run_cfg.is_file():
         raise SystemExit(f"polyrl sample: {run_cfg} not found (is {ckpt} inside a polyrl run directory?)")
     cfg = validate(OmegaConf.merge(OmegaConf.load(run_cfg), OmegaConf.from_dotlist(rest)))
-    device = pick_device(cfg.trainer.device)
-    trainer = Trainer.__new__(Trainer)  # only the parts evaluation needs: no optimizer, no run directory
-    from ..data.prompts import PromptSampler, load_prompts
-    from ..rewards import build_reward
-    from ..trainer.loop import plan_from_config
-
-    trainer.cfg, trainer.device = cfg, device
-    trainer.reward = build_reward(OmegaConf.to_container(cfg.reward))
-    trainer.sampler = PromptSampler(load_prompts(cfg.data.path), cfg.trainer.seed)
-    trainer.heldout = load_prompts(cfg.data.heldout_path) if cfg.data.heldout_path else None
-    trainer.plan = plan_from_config(cfg.rollout)
-    trainer.adapter = build_model(cfg.model, device)
-    load_trained_weights(trainer.adapter, ckpt)
+    adapter = build_model(cfg.model, pick_device(cfg.trainer.device))
+    load_trained_weights(adapter, ckpt)
+    rows = load_prompts(cfg.data.heldout_path or cfg.data.path)
     n = int(special.get("n", cfg.trainer.num_validation))
-    mean, batch = trainer.evaluate(n=n)
+    reward = build_reward(OmegaConf.to_container(cfg.reward))
+    mean, batch = evaluate(adapter, reward, cfg, rows, plan_from_config(cfg.rollout), n)
     out = Path(special.get("out", ckpt / "samples.png"))
     save_grid(batch.images, batch.prompts, batch.rewards.tolist(), out)
     print(f"polyrl: wrote {out} ({n} images, mean reward {mean:.4f})")

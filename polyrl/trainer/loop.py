@@ -84,6 +84,31 @@ def set_determinism(deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def score_batch(reward, name: str, batch: Rollout) -> None:
+    """Reward stage; a reward that returns the wrong shape or a non-finite score stops the run."""
+    out = reward(batch.images, batch.prompts, batch.metadata)
+    scores = torch.as_tensor(out.scores, dtype=torch.float32).reshape(-1)
+    if scores.numel() != len(batch) or not torch.isfinite(scores).all():
+        raise RuntimeError(
+            f"reward {name!r} returned {scores.numel()} scores for {len(batch)} images "
+            f"(non-finite: {int((~torch.isfinite(scores)).sum())}); refusing to train on them"
+        )
+    batch.rewards, batch.reward_extras = scores, out.extras
+
+
+@torch.no_grad()
+def evaluate(adapter, reward, cfg: DictConfig, rows: list[dict], plan: SamplingPlan, n: int | None = None):
+    """Held-out reward: deterministic ODE sampling from fixed noise (the same seeds at every evaluation)."""
+    n = n or cfg.trainer.eval_samples
+    picked = [rows[i % len(rows)] for i in range(n)]
+    prompts, metadata = zip(*(split_row(r) for r in picked), strict=True)
+    ode = replace(plan, noise_level=0.0, window_size=0)
+    batch = rollout(adapter, list(prompts), list(metadata), torch.arange(n), ode,
+                    step_generator(cfg.trainer.eval_seed, 0), cfg.rollout.negative_prompt)
+    score_batch(reward, cfg.reward.name, batch)
+    return float(batch.rewards.mean()), batch
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
@@ -112,15 +137,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- stages
     def score(self, batch: Rollout) -> None:
-        """Reward stage; a reward that returns the wrong shape or a non-finite score stops the run."""
-        out = self.reward(batch.images, batch.prompts, batch.metadata)
-        scores = torch.as_tensor(out.scores, dtype=torch.float32).reshape(-1)
-        if scores.numel() != len(batch) or not torch.isfinite(scores).all():
-            raise RuntimeError(
-                f"reward {self.cfg.reward.name!r} returned {scores.numel()} scores for {len(batch)} images "
-                f"(non-finite: {int((~torch.isfinite(scores)).sum())}); refusing to train on them"
-            )
-        batch.rewards, batch.reward_extras = scores, out.extras
+        score_batch(self.reward, self.cfg.reward.name, batch)
 
     def train_step(self) -> dict:
         cfg, step = self.cfg, self.step
@@ -164,18 +181,8 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------------------------------- eval
-    @torch.no_grad()
-    def evaluate(self, rows: list[dict] | None = None, n: int | None = None) -> tuple[float, Rollout]:
-        """Held-out reward: deterministic ODE sampling from fixed noise (same seeds at every evaluation)."""
-        rows = rows if rows is not None else (self.heldout or self.sampler.rows)
-        n = n or self.cfg.trainer.eval_samples
-        picked = [rows[i % len(rows)] for i in range(n)]
-        prompts, metadata = zip(*(split_row(r) for r in picked), strict=False)
-        plan = replace(self.plan, noise_level=0.0, window_size=0)
-        batch = rollout(self.adapter, list(prompts), list(metadata), torch.arange(n), plan,
-                        step_generator(self.cfg.trainer.eval_seed, 0), self.cfg.rollout.negative_prompt)
-        self.score(batch)
-        return float(batch.rewards.mean()), batch
+    def evaluate(self, n: int | None = None) -> tuple[float, Rollout]:
+        return evaluate(self.adapter, self.reward, self.cfg, self.heldout or self.sampler.rows, self.plan, n)
 
     def _eval_and_grid(self, metrics: dict) -> None:
         t0 = time.perf_counter()
