@@ -24,17 +24,17 @@ SD3_LORA_TARGETS = [
 
 
 def _load_component(root: Path, name: str, spec: list, dtype: torch.dtype | None):
+    """Load one pipeline component the way model_index.json names it (library, class)."""
     library, cls_name = spec
-    if cls_name == "TokenizersBackend" or "Tokenizer" in cls_name:
+    if "Tokenizer" in cls_name:  # CLIPTokenizer, T5TokenizerFast, TokenizersBackend, ...
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(root / name))
     cls = getattr(importlib.import_module(library), cls_name)
-    kwargs = {"torch_dtype": dtype} if dtype is not None and library == "diffusers" else {}
-    if library == "transformers" and dtype is not None:
-        kwargs = {"dtype": dtype}
-    if hasattr(cls, "from_config") and "Scheduler" in cls_name:
+    if "Scheduler" in cls_name:
         return cls.from_pretrained(str(root), subfolder=name)
+    # diffusers takes `torch_dtype`, transformers (>= 4.56) takes `dtype`.
+    kwargs = {} if dtype is None else {"torch_dtype" if library == "diffusers" else "dtype": dtype}
     return cls.from_pretrained(str(root / name), **kwargs)
 
 
