@@ -1,5 +1,17 @@
 """Reverse steps of a flow-matching sampler with a Gaussian transition density (ALGORITHMS.md §1).
 
+Three steps share one signature (`STEPS`, picked by `rollout.step`; the actor re-scores with the same one):
+
+| step | transition std `s` | log-density | PPO clip default |
+|---|---|---|---|
+| `sde` (Flow-GRPO) | a·sqrt(σ/(1−σ̃))·sqrt(−dt) | Gaussian N(μ, s²), `mean_d` | 1e-4 (1e-5 with windows) |
+| `cps` (coefficients-preserving) | σ'·sin(a·π/2) | Gaussian N(μ, s²), `mean_d` | 1e-4, as `sde` |
+| `dance` (DanceGRPO, constant η = a) | η·sqrt(−dt) | Gaussian N(μ, s²), `mean_d` | 1e-4, as `sde` |
+
+All three score with the same Gaussian per-element-mean log-density, so a log-ratio means the same thing
+(≈ mean_d(z·Δμ)/s) whichever step produced it, and one clip default serves all. (Some CPS code scores with
+−mean_d (x'−μ)² instead; that rescales the log-ratio by 2s² and would need a different clip range.)
+
 Every function is pure and works per sample: `sigma`, `sigma_next` and `noise_level` are (B,) tensors (or
 scalars), so a batch can mix stochastic (SDE-window) and deterministic (ODE) steps. All arithmetic is float32
 (the caller's dtype; tests use float64) whatever dtype the network ran in.
@@ -23,6 +35,7 @@ class StepOut:
     log_prob: torch.Tensor  # (B,); 0 where the step is deterministic (std = 0)
     mean: torch.Tensor
     std: torch.Tensor  # (B,) transition std
+    weight: torch.Tensor | None = None  # (B,) rollout-correction weight (IS × rejection mask, §4); None = 1
 
 
 def per_sample(t: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
@@ -69,4 +82,49 @@ def sde_step(
     return StepOut(prev, gaussian_log_prob(prev, mean, scale), mean, scale)
 
 
-STEPS = {"sde": sde_step}
+def _view_all(x, *ts):
+    return (_view(t, x) for t in ts)
+
+
+def cps_step(
+    x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, noise_level, sigma_1: float,
+    noise: torch.Tensor | None = None, prev: torch.Tensor | None = None,
+) -> StepOut:
+    """Coefficients-preserving step (§1 `cps`; `sigma_1` unused, kept for the common signature).
+
+    x̂0 = x − σ·v, ε̂ = x + (1−σ)·v, s = σ'·sin(a·π/2), μ = (1−σ')·x̂0 + sqrt(σ'² − s²)·ε̂, x' = μ + s·z.
+    Scored with the Gaussian log-density N(μ, s²); a = 0 is the Euler step, σ' = 0 is deterministic.
+    """
+    sig, sig_next, a = (per_sample(t, x) for t in (sigma, sigma_next, noise_level))
+    std = sig_next * torch.sin(a * (math.pi / 2))
+    keep = torch.sqrt(torch.clamp(sig_next**2 - std**2, min=0))
+    sig_, sig_next_, keep_ = _view_all(x, sig, sig_next, keep)
+    x0_hat, eps_hat = x - sig_ * v, x + (1 - sig_) * v
+    mean = (1 - sig_next_) * x0_hat + keep_ * eps_hat
+    if prev is None:
+        z = noise if noise is not None else torch.randn_like(x)
+        prev = mean + _view(std, x) * z
+    return StepOut(prev, gaussian_log_prob(prev, mean, std), mean, std)
+
+
+def dance_step(
+    x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, noise_level, sigma_1: float,
+    noise: torch.Tensor | None = None, prev: torch.Tensor | None = None,
+) -> StepOut:
+    """DanceGRPO step with a constant diffusion coefficient η = `noise_level` (§1 `dance`; `sigma_1` unused).
+
+    μ = x + dt·[v + η²/(2σ)·(x + (1−σ)·v)], s = η·sqrt(−dt), x' = μ + s·z, Gaussian log-density. This is the
+    `sde` step whose diffusion a·sqrt(σ/(1−σ̃)) is held at η for every σ.
+    """
+    sig, sig_next, eta = (per_sample(t, x) for t in (sigma, sigma_next, noise_level))
+    dt = sig_next - sig
+    dt_, sig_, eta_ = _view_all(x, dt, sig, eta)
+    mean = x + dt_ * (v + eta_**2 / (2 * sig_) * (x + (1 - sig_) * v))
+    std = eta * torch.sqrt(-dt)
+    if prev is None:
+        z = noise if noise is not None else torch.randn_like(x)
+        prev = mean + _view(std, x) * z
+    return StepOut(prev, gaussian_log_prob(prev, mean, std), mean, std)
+
+
+STEPS = {"sde": sde_step, "cps": cps_step, "dance": dance_step}
