@@ -25,6 +25,7 @@ class ModelConfig:
     path: str = MISSING
     dtype: str = "float32"
     max_sequence_length: int = 256
+    compile: bool = False  # torch.compile the transformer (after LoRA is added)
 
 
 @dataclass
@@ -39,6 +40,10 @@ class RolloutConfig:
     sde_window_range: list = field(default_factory=lambda: [0, 0])
     batch_size: int = 64
     negative_prompt: str = ""
+    step: str = "sde"  # sde | cps | dance (the reverse step; the actor re-scores with the same one)
+    sde_window_strategy: str = "per_sample"  # per_sample | random | progressive
+    sde_window_every: int = 1  # progressive: training steps between window slides
+    shared_initial_noise: bool = False  # one initial noise per prompt group (DanceGRPO)
 
 
 @dataclass
@@ -54,6 +59,7 @@ class ActorConfig:
     lora_targets: list | None = None  # None: the model adapter's default
     num_minibatches: int = 2  # optimizer steps per training step
     micro_batch_size: int = 0  # 0: the whole mini-batch in one forward
+    ema_decay: float = 0.0  # > 0: keep an EMA copy of the trainable weights (the `old` policy), old ← d·old + (1−d)·θ
 
 
 @dataclass
@@ -79,6 +85,14 @@ class TrainerConfig:
     num_validation: int = 16  # images in each sample grid
     progress: bool = True
     tensorboard: bool = True
+    peak_tflops: float | None = None  # the device's measured dense bf16 rate: enables perf/mfu in the metrics
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    mode: str = "bypass"  # bypass | recompute | decoupled (ALGORITHMS.md §4)
+    is_cap: float = 2.0  # decoupled: w = min(exp(log p_old − log p_rollout), is_cap)
+    log_ratio_bounds: list | None = None  # [lo, hi]: reject sample-steps whose log-ratio falls outside
 
 
 @dataclass
@@ -91,6 +105,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 class ConfigError(ValueError):
@@ -157,10 +172,34 @@ def validate(raw: DictConfig) -> DictConfig:
             f"rollout.sde_window_range={list(r.sde_window_range)} must be [lo, hi] with 0 <= lo <= hi <= "
             f"num_steps - sde_window_size = {r.num_steps - r.sde_window_size}"
         )
-    if r.noise_level <= 0:
-        raise ConfigError(f"rollout.noise_level={r.noise_level} must be > 0 (an ODE rollout has no log-probability)")
+    from ..sampling.rollout import WINDOW_STRATEGIES
+    from ..sampling.steps import STEPS
+
+    _check_choice("rollout.step", r.step, sorted(STEPS))
+    _check_choice("rollout.sde_window_strategy", r.sde_window_strategy, WINDOW_STRATEGIES)
+    if r.sde_window_every < 1:
+        raise ConfigError(f"rollout.sde_window_every={r.sde_window_every} must be >= 1")
+    algo_cls = ALGORITHMS[cfg.algorithm.name]
+    uses_log_probs = getattr(algo_cls, "uses_log_probs", True)
+    if uses_log_probs and r.noise_level <= 0:
+        raise ConfigError(f"rollout.noise_level={r.noise_level} must be > 0 (an ODE rollout has no log-probability; "
+                          f"only likelihood-free algorithms such as diffusion_nft may sample with the ODE)")
+    if r.noise_level < 0:
+        raise ConfigError(f"rollout.noise_level={r.noise_level} must be >= 0")
+    rc = cfg.rollout_correction
+    _check_choice("rollout_correction.mode", rc.mode, ["bypass", "recompute", "decoupled"])
+    if rc.mode != "bypass" and not uses_log_probs:
+        raise ConfigError(f"rollout_correction.mode={rc.mode} needs log-probabilities, which algorithm "
+                          f"{cfg.algorithm.name} does not use; use rollout_correction.mode=bypass")
+    if rc.is_cap <= 0:
+        raise ConfigError(f"rollout_correction.is_cap={rc.is_cap} must be > 0")
+    if rc.log_ratio_bounds is not None and not (
+            len(rc.log_ratio_bounds) == 2 and float(rc.log_ratio_bounds[0]) < float(rc.log_ratio_bounds[1])):
+        raise ConfigError(f"rollout_correction.log_ratio_bounds={list(rc.log_ratio_bounds)} must be [lo, hi] with lo < hi")
     a = cfg.actor
     _check_choice("actor.backend", a.backend, ["local"])
+    if not 0 <= a.ema_decay < 1:
+        raise ConfigError(f"actor.ema_decay={a.ema_decay} must be in [0, 1)")
     if a.lora_rank < 0:
         raise ConfigError(f"actor.lora_rank={a.lora_rank} must be >= 0 (0 = full fine-tune)")
     batch = cfg.data.prompts_per_step * r.n

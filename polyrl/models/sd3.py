@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..perf.flops import sd3_forward_flops
 from .base import Cond, register_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,6 +107,7 @@ class SD3Adapter:
         self.max_sequence_length = int(cfg.max_sequence_length)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self._cache: dict[str, Cond] = {}
+        self.flops = 0.0  # model FLOPs executed so far (ALGORITHMS.md §6); the trainer reads and resets it
 
     # ------------------------------------------------------------------------------------------- prompts
     def _encode_uncached(self, prompts: list[str]) -> Cond:
@@ -136,13 +138,19 @@ class SD3Adapter:
         return self.scheduler.sigmas.float().cpu()
 
     def _forward(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
-        out = self.transformer(
-            hidden_states=latents.to(self.dtype),
-            timestep=(sigma * 1000).to(self.dtype),
-            encoder_hidden_states=cond["prompt_embeds"].to(self.dtype),
-            pooled_projections=cond["pooled"].to(self.dtype),
-            return_dict=False,
-        )[0]
+        p = self.transformer.config.patch_size
+        per_sample = sd3_forward_flops(self.transformer.config, (latents.shape[-2] // p) * (latents.shape[-1] // p),
+                                       cond["prompt_embeds"].shape[1])
+        self.flops += per_sample * latents.shape[0] * (3 if torch.is_grad_enabled() else 1)
+        # bf16/fp16 weights: autocast runs float32 LoRA weights and inputs in the same low precision
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            out = self.transformer(
+                hidden_states=latents.to(self.dtype),
+                timestep=sigma.float() * 1000,  # float32: bf16 would round 1000·σ to ~4 units
+                encoder_hidden_states=cond["prompt_embeds"].to(self.dtype),
+                pooled_projections=cond["pooled"].to(self.dtype),
+                return_dict=False,
+            )[0]
         return out.float()
 
     def velocity(self, latents, sigma, cond: Cond, neg: Cond | None, guidance: float) -> torch.Tensor:

@@ -23,6 +23,7 @@ from ..algorithms.advantage import zero_std_ratio
 from ..batch import Rollout
 from ..data.prompts import PromptSampler, load_prompts, split_row
 from ..models import build_model
+from ..perf.timer import StageTimer
 from ..rewards import build_reward
 from ..sampling.rollout import SamplingPlan, decode_images, rollout
 from .checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -126,6 +127,8 @@ class Trainer:
 
         self.adapter = build_model(cfg.model, self.device)
         self.actor = LocalActor(self.adapter, cfg.actor, self.plan, self.algo.needs_reference)
+        if cfg.model.compile:  # after LoRA is added, so the compiled graph includes it
+            self.adapter.transformer.compile()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         self.logger = MetricsLogger(self.run_dir, t.tensorboard)
@@ -141,29 +144,35 @@ class Trainer:
 
     def train_step(self) -> dict:
         cfg, step = self.cfg, self.step
-        timings: dict[str, float] = {}
-        t0 = time.perf_counter()
-        rows = self.sampler.next(cfg.data.prompts_per_step)
-        prompts, metadata, groups = [], [], []
-        for g, row in enumerate(rows):
-            prompt, meta = split_row(row)
-            prompts += [prompt] * cfg.rollout.n
-            metadata += [meta] * cfg.rollout.n
-            groups += [g] * cfg.rollout.n
-        batch = rollout(self.adapter, prompts, metadata, torch.tensor(groups), self.plan,
-                        step_generator(cfg.trainer.seed, step), cfg.rollout.negative_prompt, decode=False)
-        timings["time/rollout"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        batch.images = decode_images(self.adapter, batch.final, self.plan.batch_size)
-        timings["time/decode"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        self.score(batch)
-        timings["time/reward"] = time.perf_counter() - t1
-        batch.advantages = compute_advantages(self.algo, batch)
-        t2 = time.perf_counter()
-        stats = self.actor.update(self.algo, batch, step_generator(cfg.trainer.seed, step, stream=1))
-        timings["time/train"] = time.perf_counter() - t2
-        timings["time/step"] = time.perf_counter() - t0
+        timer = StageTimer(self.device)
+        flops_before = getattr(self.adapter, "flops", 0.0)
+        with timer("step"):
+            rows = self.sampler.next(cfg.data.prompts_per_step)
+            prompts, metadata, groups = [], [], []
+            for g, row in enumerate(rows):
+                prompt, meta = split_row(row)
+                prompts += [prompt] * cfg.rollout.n
+                metadata += [meta] * cfg.rollout.n
+                groups += [g] * cfg.rollout.n
+            with timer("text_encode"):  # fills the adapter's prompt cache; the rollout then reads it
+                self.adapter.encode_prompts(sorted(set(prompts)) + [cfg.rollout.negative_prompt])
+            with timer("rollout"):
+                batch = rollout(self.adapter, prompts, metadata, torch.tensor(groups), self.plan,
+                                step_generator(cfg.trainer.seed, step), cfg.rollout.negative_prompt, decode=False)
+            with timer("decode"):
+                batch.images = decode_images(self.adapter, batch.final, self.plan.batch_size)
+            with timer("reward"):
+                self.score(batch)
+            batch.advantages = compute_advantages(self.algo, batch)
+            with timer("train"):
+                stats = self.actor.update(self.algo, batch, step_generator(cfg.trainer.seed, step, stream=1))
+        timings = timer.times
+        step_flops = getattr(self.adapter, "flops", 0.0) - flops_before
+        if step_flops > 0:
+            timings["perf/tflops"] = step_flops / 1e12
+            timings["perf/achieved_tflops_per_s"] = step_flops / 1e12 / timings["time/step"]
+            if cfg.trainer.peak_tflops:
+                timings["perf/mfu"] = timings["perf/achieved_tflops_per_s"] / cfg.trainer.peak_tflops
         metrics = {
             "step": step + 1,
             "reward/mean": float(batch.rewards.mean()),
