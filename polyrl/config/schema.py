@@ -130,6 +130,14 @@ def _check_kwargs(group: str, cfg: dict, registry: dict) -> None:
     for key in cfg:
         if key != "name" and key not in params:
             raise ConfigError(f"unknown key {group}.{key} for {group}.name={name}; allowed: {', '.join(sorted(params))}")
+    nested = getattr(registry[name], "nested_configs", None)  # e.g. reward=mix: validate each component too
+    if nested is not None:
+        try:
+            subs = nested(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for sub_group, sub_cfg in subs:
+            _check_kwargs(sub_group, sub_cfg, registry)
 
 
 def validate(raw: DictConfig) -> DictConfig:

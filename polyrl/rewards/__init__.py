@@ -1,4 +1,15 @@
-from . import jpeg, shapes  # noqa: F401  (register the built-in scorers)
-from .base import REWARDS, Reward, RewardOutput, build_reward, register_reward
+from . import jpeg, latent, mix, shapes  # noqa: F401  (register the built-in scorers)
+from .base import (
+    REWARDS,
+    Audio,
+    Reward,
+    RewardOutput,
+    build_reward,
+    call_reward,
+    media_kind,
+    register_reward,
+    reward_inputs,
+)
 
-__all__ = ["REWARDS", "Reward", "RewardOutput", "build_reward", "register_reward"]
+__all__ = ["REWARDS", "Audio", "Reward", "RewardOutput", "build_reward", "call_reward", "media_kind",
+           "register_reward", "reward_inputs"]

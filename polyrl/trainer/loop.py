@@ -24,7 +24,7 @@ from ..batch import Rollout
 from ..data.prompts import PromptSampler, load_prompts, split_row
 from ..models import build_model
 from ..perf.timer import StageTimer
-from ..rewards import build_reward
+from ..rewards import build_reward, call_reward, reward_inputs
 from ..sampling.rollout import SamplingPlan, decode_images, rollout
 from .checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsLogger, plot_reward_curve, save_grid
@@ -47,7 +47,8 @@ def plan_from_config(r: DictConfig) -> SamplingPlan:
     return SamplingPlan(
         num_steps=r.num_steps, height=r.height, width=r.width, guidance_scale=r.guidance_scale,
         noise_level=r.noise_level, window_size=r.sde_window_size, window_range=tuple(r.sde_window_range),
-        batch_size=r.batch_size,
+        batch_size=r.batch_size, step=r.step, window_strategy=r.sde_window_strategy, window_every=r.sde_window_every,
+        shared_noise=r.shared_initial_noise,
     )
 
 
@@ -87,7 +88,7 @@ def set_determinism(deterministic: bool) -> None:
 
 def score_batch(reward, name: str, batch: Rollout) -> None:
     """Reward stage; a reward that returns the wrong shape or a non-finite score stops the run."""
-    out = reward(batch.images, batch.prompts, batch.metadata)
+    out = call_reward(reward, batch.images, batch.prompts, batch.metadata, latents=batch.final)
     scores = torch.as_tensor(out.scores, dtype=torch.float32).reshape(-1)
     if scores.numel() != len(batch) or not torch.isfinite(scores).all():
         raise RuntimeError(
@@ -126,7 +127,7 @@ class Trainer:
         self.plan = plan_from_config(cfg.rollout)
 
         self.adapter = build_model(cfg.model, self.device)
-        self.actor = LocalActor(self.adapter, cfg.actor, self.plan, self.algo.needs_reference)
+        self.actor = LocalActor(self.adapter, cfg.actor, self.plan, self.algo, cfg.rollout_correction)
         if cfg.model.compile:  # after LoRA is added, so the compiled graph includes it
             self.adapter.transformer.compile()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -156,11 +157,13 @@ class Trainer:
                 groups += [g] * cfg.rollout.n
             with timer("text_encode"):  # fills the adapter's prompt cache; the rollout then reads it
                 self.adapter.encode_prompts(sorted(set(prompts)) + [cfg.rollout.negative_prompt])
-            with timer("rollout"):
+            with timer("rollout"), self.actor.sampling_policy():
                 batch = rollout(self.adapter, prompts, metadata, torch.tensor(groups), self.plan,
-                                step_generator(cfg.trainer.seed, step), cfg.rollout.negative_prompt, decode=False)
-            with timer("decode"):
-                batch.images = decode_images(self.adapter, batch.final, self.plan.batch_size)
+                                step_generator(cfg.trainer.seed, step), cfg.rollout.negative_prompt, decode=False,
+                                step=step)
+            if "images" in reward_inputs(self.reward):  # a latent-only reward needs no decode
+                with timer("decode"):
+                    batch.images = decode_images(self.adapter, batch.final, self.plan.batch_size)
             with timer("reward"):
                 self.score(batch)
             batch.advantages = compute_advantages(self.algo, batch)
@@ -186,7 +189,8 @@ class Trainer:
         for k, v in batch.reward_extras.items():
             vals = [float(x) for x in v if x is not None and not (isinstance(x, float) and math.isnan(x))]
             if vals:
-                metrics[f"reward_extra/{k}"] = sum(vals) / len(vals)
+                # per-component scores of a mix are logged under their own name (reward/<component>)
+                metrics[k if k.startswith("reward/") else f"reward_extra/{k}"] = sum(vals) / len(vals)
         return metrics
 
     # ------------------------------------------------------------------------------------------- eval
