@@ -30,7 +30,7 @@ def add_lora(transformer: torch.nn.Module, rank: int, alpha: float, targets: lis
 class LocalActor:
     def __init__(self, adapter: GeneratorAdapter, cfg, plan: SamplingPlan, needs_reference: bool):
         self.adapter, self.cfg, self.plan = adapter, cfg, plan
-        self.sigma_1 = float(adapter.sigmas(plan.num_steps)[1])
+        self.sigma_1 = float(adapter.sigmas(plan.num_steps, plan.height, plan.width)[1])
         transformer = adapter.transformer
         self.lora = cfg.lora_rank > 0
         self.reference_model = None

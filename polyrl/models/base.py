@@ -27,8 +27,9 @@ class GeneratorAdapter(Protocol):
         """float32 latents at sigma = 1."""
         ...
 
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        """The sampling grid σ_0 = 1 > … > σ_N = 0 (float32, length num_steps + 1)."""
+    def sigmas(self, num_steps: int, height: int | None = None, width: int | None = None) -> torch.Tensor:
+        """The sampling grid σ_0 = 1 > … > σ_N = 0 (float32, length num_steps + 1) for `height`×`width` images
+        (models with a resolution-dependent shift, e.g. Qwen-Image, need the size; SD3 ignores it)."""
         ...
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond, neg: Cond | None, guidance: float) -> torch.Tensor:

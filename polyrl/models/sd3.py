@@ -133,7 +133,8 @@ class SD3Adapter:
         shape = (batch, self.transformer.config.in_channels, height // f, width // f)
         return torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu").to(self.device)
 
-    def sigmas(self, num_steps: int) -> torch.Tensor:
+    def sigmas(self, num_steps: int, height: int | None = None, width: int | None = None) -> torch.Tensor:
+        # SD3's shift does not depend on the image size
         self.scheduler.set_timesteps(num_steps)
         return self.scheduler.sigmas.float().cpu()
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
 SPECIAL = ["<pad>", "<unk>", "<bos>", "<eos>"]
@@ -133,5 +133,130 @@ def build_tiny_sd3(spec: TinySD3Spec, seed: int = 0) -> StableDiffusion3Pipeline
 
 def save_tiny_sd3(spec: TinySD3Spec, path: str | Path, seed: int = 0) -> Path:
     pipe = build_tiny_sd3(spec, seed)
+    pipe.save_pretrained(str(path))
+    return Path(path)
+
+
+# ----------------------------------------------------------------------------------------------- Qwen-Image
+# The scheduler of the published Qwen-Image checkpoint: resolution-dependent ("dynamic") exponential shift,
+# mu interpolated between base_shift at 256 image tokens and max_shift at 8192, stretched to end at 0.02.
+QWEN_IMAGE_SCHEDULER = dict(
+    base_image_seq_len=256, max_image_seq_len=8192, base_shift=0.5, max_shift=0.9, num_train_timesteps=1000,
+    shift=1.0, shift_terminal=0.02, use_dynamic_shifting=True, time_shift_type="exponential",
+)
+
+
+@dataclass
+class TinyQwenImageSpec:
+    """Sizes of a Qwen-Image pipeline: `QwenImageTransformer2DModel` + `AutoencoderKLQwenImage` + a Qwen2.5-VL
+    text encoder, with a word-level tokenizer. The defaults are tiny (tests); `qwen_image_bench_spec` gives the
+    published transformer and VAE with a one-layer text-encoder stand-in of the real width."""
+
+    words: list[str]
+    text_hidden: int = 32  # = the transformer's joint_attention_dim
+    text_layers: int = 1
+    text_heads: int = 2
+    text_kv_heads: int = 1
+    text_intermediate: int = 64
+    text_mrope_section: tuple[int, int, int] = (2, 3, 3)  # sums to text head_dim / 2
+    num_layers: int = 2
+    heads: int = 2
+    head_dim: int = 16
+    axes_dims_rope: tuple[int, int, int] = (4, 6, 6)  # sums to head_dim
+    latent_channels: int = 4  # VAE z_dim; the transformer sees 4× this (2×2 patches)
+    vae_base_dim: int = 8
+    vae_dim_mult: tuple[int, ...] = (1, 2)
+    vae_res_blocks: int = 1
+    image_size: int = 32
+    tokenizer_max_length: int = 1024 + 34 + 8
+    scheduler: dict = field(default_factory=lambda: dict(QWEN_IMAGE_SCHEDULER))
+
+    @property
+    def vae_factor(self) -> int:
+        return 2 ** (len(self.vae_dim_mult) - 1)
+
+
+def qwen_image_bench_spec(words: list[str]) -> TinyQwenImageSpec:
+    """BENCHMARK.md second workload: the published Qwen-Image transformer (60 layers, 24 heads × 128, joint
+    width 3584, 20.4 B parameters) and VAE, with a one-layer Qwen2.5-VL text encoder of the real width 3584."""
+    return TinyQwenImageSpec(
+        words=words, text_hidden=3584, text_layers=1, text_heads=28, text_kv_heads=4, text_intermediate=1024,
+        text_mrope_section=(16, 24, 24), num_layers=60, heads=24, head_dim=128, axes_dims_rope=(16, 56, 56),
+        latent_channels=16, vae_base_dim=96, vae_dim_mult=(1, 2, 4, 4), vae_res_blocks=2, image_size=512,
+    )
+
+
+def qwen_template_tokenizer(words: list[str], max_length: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer for the Qwen-Image prompt template: chat-markup specials, newlines as tokens (so the
+    template's system + user header is 34 tokens, as with the real Qwen2 tokenizer), words and punctuation."""
+    from .qwen_image import PROMPT_TEMPLATE
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab["\n"] = len(vocab)
+    split = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]+|\n"), behavior="removed", invert=True)
+    template_words = split.pre_tokenize_str(PROMPT_TEMPLATE.replace("{}", " ").replace("<|im_start|>", " ")
+                                            .replace("<|im_end|>", " "))
+    for w in sorted({w.lower() for w in words} | {w.lower() for w, _ in template_words}):
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = split
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", unk_token="<unk>",
+                                   model_max_length=max_length, padding_side="right")
+
+
+def build_tiny_qwen_image(spec: TinyQwenImageSpec, seed: int = 0, device: str | torch.device = "cpu",
+                     dtype: torch.dtype = torch.float32):
+    """A random-weight `QwenImagePipeline` of `spec`'s sizes, created directly on `device` in `dtype` (the
+    full-size transformer is 20 B parameters: build it on the GPU, in bf16)."""
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    tokenizer = qwen_template_tokenizer(spec.words, spec.tokenizer_max_length)
+    text_config = dict(
+        vocab_size=len(tokenizer), hidden_size=spec.text_hidden, intermediate_size=spec.text_intermediate,
+        num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads, num_key_value_heads=spec.text_kv_heads,
+        max_position_embeddings=spec.tokenizer_max_length + 64, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"), eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        rope_scaling={"type": "mrope", "mrope_section": list(spec.text_mrope_section)},
+    )
+    vision_config = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=spec.text_hidden,
+                         fullatt_block_indexes=[0])
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # allocate parameters in their final dtype (no fp32 copy of 20 B weights)
+    try:
+        with torch.device(device):
+            text_encoder = Qwen2_5_VLForConditionalGeneration(
+                Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config,
+                                 bos_token_id=text_config["bos_token_id"], eos_token_id=text_config["eos_token_id"]))
+            transformer = QwenImageTransformer2DModel(
+                patch_size=2, in_channels=4 * spec.latent_channels, out_channels=spec.latent_channels,
+                num_layers=spec.num_layers, attention_head_dim=spec.head_dim, num_attention_heads=spec.heads,
+                joint_attention_dim=spec.text_hidden, axes_dims_rope=tuple(spec.axes_dims_rope),
+            )
+            n = len(spec.vae_dim_mult)
+            vae_kwargs = {}
+            if spec.latent_channels != 16:  # the published per-channel statistics are for 16 channels
+                vae_kwargs = dict(latents_mean=[0.1 * i for i in range(spec.latent_channels)],
+                                  latents_std=[1.0 + 0.25 * i for i in range(spec.latent_channels)])
+            vae = AutoencoderKLQwenImage(
+                base_dim=spec.vae_base_dim, z_dim=spec.latent_channels, dim_mult=list(spec.vae_dim_mult),
+                num_res_blocks=spec.vae_res_blocks, temperal_downsample=[False] + [True] * (n - 2) if n > 1 else [],
+                **vae_kwargs,
+            )
+    finally:
+        torch.set_default_dtype(default_dtype)
+    scheduler = FlowMatchEulerDiscreteScheduler(**spec.scheduler)
+    return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder.eval(), tokenizer=tokenizer,
+                             transformer=transformer)
+
+
+def save_tiny_qwen_image(spec: TinyQwenImageSpec, path: str | Path, seed: int = 0, device: str | torch.device = "cpu",
+                    dtype: torch.dtype = torch.float32) -> Path:
+    """Build with `build_tiny_qwen_image` and `save_pretrained` into `path` (a diffusers directory)."""
+    pipe = build_tiny_qwen_image(spec, seed, device, dtype)
     pipe.save_pretrained(str(path))
     return Path(path)

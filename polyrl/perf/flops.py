@@ -37,6 +37,25 @@ def sd3_forward_flops(config, image_tokens: int, text_tokens: int) -> float:
     return float(flops + per_sample)
 
 
+def qwen_image_forward_flops(config, image_tokens: int, text_tokens: int) -> float:
+    """Qwen-Image dual-stream MM-DiT (`QwenImageTransformer2DModel`), one sample with `image_tokens` packed 2×2
+    patches and `text_tokens` (padded) text tokens.
+
+    Per block, each stream has its own q/k/v/out (4d²) and GELU MLP (d → 4d → d, 8d²) applied to its own tokens,
+    and the joint attention runs over N+T tokens; the per-sample modulation linears are img_mod and txt_mod
+    (d → 6d each). Plus img_in (4C → d), txt_in (joint → d), the timestep embedder (256 → d → d), the output
+    AdaLayerNormContinuous (d → 2d) and proj_out (d → 4·C_out).
+    """
+    c = config
+    d = c.num_attention_heads * c.attention_head_dim
+    n, t, layers = image_tokens, text_tokens, c.num_layers
+    p2 = c.patch_size**2
+    per_sample = 2 * (256 * d + d * d) + 2 * d * 2 * d + layers * 2 * (2 * d * 6 * d)
+    flops = 2 * n * c.in_channels * d + 2 * t * c.joint_attention_dim * d + 2 * n * d * p2 * c.out_channels
+    flops += layers * (2 * (n + t) * 12 * d * d + 4 * (n + t) ** 2 * d)
+    return float(flops + per_sample)
+
+
 def epoch_flops(forward: float, images: int, sampling_steps: int, trained_steps: int, cfg: bool,
                 reference_forward: bool, old_forward: bool = False) -> float:
     """Model FLOPs of one Flow-GRPO-style epoch: sampling + training (3×) + KL-reference and old-policy passes (1×)."""
@@ -45,4 +64,4 @@ def epoch_flops(forward: float, images: int, sampling_steps: int, trained_steps:
     return forward * batch * (sampling_steps + trained_steps * per_trained)
 
 
-FORWARD_FLOPS = {"sd3": sd3_forward_flops}
+FORWARD_FLOPS = {"sd3": sd3_forward_flops, "qwen_image": qwen_image_forward_flops}

@@ -48,7 +48,7 @@ def sample_latents(
     starts: torch.Tensor, generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the sampler; returns (window latents, log-probs, sigmas, noise levels, final latent)."""
-    sigmas = adapter.sigmas(plan.num_steps)
+    sigmas = adapter.sigmas(plan.num_steps, plan.height, plan.width)
     sigma_1 = float(sigmas[1])
     b, w = noise.shape[0], plan.trained_steps
     device = noise.device
@@ -98,7 +98,7 @@ def rollout(
     for i in range(0, b, plan.batch_size):
         sl = slice(i, min(b, i + plan.batch_size))
         c = {k: v[sl] for k, v in cond.items()}
-        n = None if neg is None else {k: v.expand(c["pooled"].shape[0], *v.shape[1:]) for k, v in neg.items()}
+        n = None if neg is None else {k: v.expand(sl.stop - sl.start, *v.shape[1:]) for k, v in neg.items()}
         parts.append(sample_latents(adapter, c, n, initial_noise[sl].to(device), plan, starts[sl], generator))
     latents, log_probs, sigmas, levels, final = (torch.cat(t) for t in zip(*parts, strict=False))
     images = decode_images(adapter, final, plan.batch_size) if decode else None
