@@ -229,3 +229,61 @@ def test_two_steps_on_tiny_qwen_image_through_the_cli(tiny_qwen_dir, shape_promp
     trained = {k.split(".lora_")[0] for k, v in state.items() if k.endswith("lora_B.weight") and v.abs().max() > 0}
     for target in ("attn.to_q", "attn.add_k_proj", "attn.to_add_out", "img_mlp.net.2", "txt_mlp.net.0.proj"):
         assert any(k.endswith(target) for k in trained), target
+
+
+# ----------------------------------------------------------------------------------------------- FLOPs
+def test_flops_match_the_executed_ops_of_the_transformer(monkeypatch):
+    """ALGORITHMS.md §6 count vs what the model runs: 2·(output elements)·(fan-in) for every Linear call (per-sample
+    modulation linears run on (B, d), so they count once per sample) and 4·B·S²·(H·D) for every joint attention."""
+    from diffusers import QwenImageTransformer2DModel
+    from diffusers.models.transformers import transformer_qwenimage
+
+    from polyrl.perf.flops import FORWARD_FLOPS, qwen_image_forward_flops
+
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=3, attention_head_dim=16,
+                                        num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(4, 6, 6)).eval()
+    executed = {"flops": 0.0, "attention_calls": 0}
+
+    def on_linear(mod, args, out):
+        executed["flops"] += 2.0 * out.numel() * mod.in_features
+
+    handles = [m.register_forward_hook(on_linear) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    attention = transformer_qwenimage.dispatch_attention_fn
+
+    def counting_attention(q, k, v, *args, **kwargs):  # (B, S, H, D)
+        executed["flops"] += 4.0 * q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2] * q.shape[3]
+        executed["attention_calls"] += 1
+        return attention(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(transformer_qwenimage, "dispatch_attention_fn", counting_attention)
+    batch, text, grid = 3, 7, (6, 4)
+    tokens = (grid[0] // 2) * (grid[1] // 2)
+    try:
+        with torch.no_grad():
+            model(hidden_states=torch.randn(batch, tokens, 16), encoder_hidden_states=torch.randn(batch, text, 24),
+                  timestep=torch.full((batch,), 0.5), img_shapes=[[(1, grid[0] // 2, grid[1] // 2)]] * batch)
+    finally:
+        for h in handles:
+            h.remove()
+    assert executed["attention_calls"] == 3
+    assert qwen_image_forward_flops(model.config, tokens, text) * batch == pytest.approx(executed["flops"], rel=1e-12)
+    assert FORWARD_FLOPS["qwen_image"] is qwen_image_forward_flops
+
+
+def test_full_size_forward_flops_by_hand():
+    """Qwen-Image at 512² (1024 image tokens) + 100 text tokens, counted by hand: d = 3072, 60 blocks of 24·d² token
+    weights per (image, text) token pair of streams, so 2·(N+T)·12d² per block, + attention 4·(N+T)²·d, + the
+    per-sample img_mod/txt_mod (2 × d·6d), the embedders and the output layers."""
+    from types import SimpleNamespace
+
+    from polyrl.perf.flops import qwen_image_forward_flops
+
+    c = SimpleNamespace(num_attention_heads=24, attention_head_dim=128, num_layers=60, patch_size=2, in_channels=64,
+                        out_channels=16, joint_attention_dim=3584)
+    d, n, t = 3072, 1024, 100
+    blocks = 60 * (2 * (n + t) * 12 * d * d + 4 * (n + t) ** 2 * d + 2 * 12 * d * d)
+    io = 2 * n * 64 * d + 2 * t * 3584 * d + 2 * n * d * 64 + 2 * (256 * d + d * d) + 2 * (2 * d * d)
+    assert qwen_image_forward_flops(c, n, t) == blocks + io
+    # ≈ 16.2 TFLOP per sample forward: BENCHMARK.md's 327 ms for batch 8 at 49% of 802 TFLOP/s is 16.1 TFLOP/sample
+    assert qwen_image_forward_flops(c, n, t) / 1e12 == pytest.approx(16.2, abs=0.1)
