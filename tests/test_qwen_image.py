@@ -287,3 +287,16 @@ def test_full_size_forward_flops_by_hand():
     assert qwen_image_forward_flops(c, n, t) == blocks + io
     # ≈ 16.2 TFLOP per sample forward: BENCHMARK.md's 327 ms for batch 8 at 49% of 802 TFLOP/s is 16.1 TFLOP/sample
     assert qwen_image_forward_flops(c, n, t) / 1e12 == pytest.approx(16.2, abs=0.1)
+
+
+def test_recipe_is_the_verl_omni_qwen_image_workload():
+    """BENCHMARK.md second workload: 512², 10 steps, SDE window 2, true CFG 4, LoRA r64, 16 images per prompt."""
+    from polyrl.config import load_config
+
+    cfg = load_config(["recipe=qwen_image_flowgrpo", "model.path=/x", "data.path=/y.txt", "data.prompts_per_step=8"])
+    r, a = cfg.rollout, cfg.actor
+    assert cfg.model.name == "qwen_image" and cfg.model.dtype == "bfloat16"
+    assert (r.height, r.width, r.num_steps, r.sde_window_size, r.guidance_scale, r.n) == (512, 512, 10, 2, 4.0, 16)
+    assert list(r.sde_window_range) == [0, 5] and r.noise_level == 1.2
+    assert (a.lora_rank, a.lora_alpha, a.lr) == (64, 128.0, 3e-4) and a.lora_targets is None
+    assert cfg.data.prompts_per_step == 8  # prompts per step is a key (the recipe's 32 by default)
