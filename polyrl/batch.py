@@ -28,6 +28,13 @@ class Rollout:
     rewards: torch.Tensor | None = None  # (B,)
     reward_extras: dict = field(default_factory=dict)
     advantages: torch.Tensor | None = None  # (B,)
+    # Rollout correction (ALGORITHMS.md §4). `old_means` is filled by the rollout (the transition means it
+    # sampled from) and replaced by the actor's old-policy recompute when rollout_correction.mode != bypass;
+    # `old_log_probs` is what the loss uses as log p_old (bypass: the rollout's `log_probs`).
+    old_means: torch.Tensor | None = None  # (B, W, C, h, w) float32
+    old_log_probs: torch.Tensor | None = None  # (B, W) float32
+    step_weights: torch.Tensor | None = None  # (B, W) truncated IS weight × rejection mask (decoupled mode)
+    pair_final: torch.Tensor | None = None  # (B, C, h, w): the rejected latent of DPO pair (final[i], pair_final[i])
 
     def __len__(self) -> int:
         return len(self.prompts)

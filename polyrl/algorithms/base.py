@@ -1,8 +1,9 @@
-"""Algorithm interface: advantages from rewards, and a differentiable loss for one trained step.
+"""Algorithm interface: advantages from rewards, and a differentiable loss for one loss term.
 
-The actor backend owns the optimisation loop (mini-batches, accumulation over the window, clipping); an
-algorithm only says what to minimise, through a `PolicyEvaluator` that re-runs one sampler step under the
-current (or reference) weights.
+The actor backend owns the optimisation loop (mini-batches, accumulation over the loss terms, clipping, the
+old/EMA copy); an algorithm only says what to minimise, through a `PolicyEvaluator` that re-runs one sampler step
+(or one velocity) under a named policy, and declares what it needs. The actor and trainer serve these
+declarations generically, so neither holds an algorithm special case.
 """
 
 from __future__ import annotations
@@ -16,19 +17,58 @@ from ..registry import Registry
 from ..sampling.steps import StepOut
 from .advantage import group_advantages
 
+POLICIES = ("current", "reference", "old", "teacher")
+
 
 class PolicyEvaluator(Protocol):
-    def step(self, batch: Rollout, k: int, reference: bool = False) -> StepOut:
-        """Re-score the stored transition latents[:, k] -> latents[:, k+1] under the current/reference policy."""
+    generator: torch.Generator  # the update's RNG (forward-process losses draw t and ε from it)
+
+    def step(self, batch: Rollout, k: int, policy: str = "current") -> StepOut:
+        """Re-score the stored transition latents[:, k] -> latents[:, k+1] under `policy` (one of POLICIES).
+
+        For the current policy `StepOut.weight` carries the rollout-correction weight (§4), or None.
+        """
+        ...
+
+    def velocity(self, batch: Rollout, latents: torch.Tensor, sigma: torch.Tensor, policy: str = "current",
+                 guidance: float | None = None) -> torch.Tensor:
+        """The network's velocity at arbitrary latents (forward-process losses); guidance None = the rollout's."""
         ...
 
 
-class Algorithm(Protocol):
-    needs_reference: bool
-    adv_std: str
-    adv_clip_max: float
+class AlgorithmBase:
+    """Defaults for the declarations the actor and trainer read; an algorithm overrides what it needs."""
 
-    def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]: ...
+    needs_reference: bool = False  # a reference policy (LoRA disabled / frozen initial copy)
+    needs_old: bool = False  # an EMA copy of the trainable weights (the `old` policy)
+    samples_from_old: bool = False  # the rollout runs under the `old` policy
+    uses_log_probs: bool = True  # False: likelihood-free (ODE rollouts allowed, no rollout correction)
+    teacher_path: str | None = None  # a frozen teacher (polyrl checkpoint or diffusers directory)
+    adv_std: str = "global"
+    adv_clip_max: float = 5.0
+
+    def num_terms(self, batch: Rollout) -> int:
+        """Loss terms per sample; the actor averages `step_loss` over k in range(num_terms)."""
+        return batch.log_probs.shape[1]
+
+    def prepare(self, batch: Rollout) -> Rollout:
+        """The training batch made from a scored rollout (e.g. DPO pairs); default: the rollout itself."""
+        return batch
+
+    def old_decay(self, update: int) -> float | None:
+        """Decay d of the old-policy update old ← d·old + (1−d)·θ after update number `update`; None: actor.ema_decay."""
+        return None
+
+    def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
+        raise NotImplementedError
+
+
+Algorithm = AlgorithmBase
+
+
+def weighted_mean(per_sample: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """mean_b(w·ℓ): rejected sample-steps (w = 0) count in the denominator, so masking never rescales the loss."""
+    return per_sample.mean() if weight is None else (per_sample * weight.to(per_sample)).mean()
 
 
 def compute_advantages(algo: Algorithm, batch: Rollout) -> torch.Tensor:

@@ -1,32 +1,65 @@
-"""Flow-GRPO (ALGORITHMS.md §3): PPO-clip on the per-step SDE log-ratio, optional KL to the reference."""
+"""Flow-GRPO and its config variants (ALGORITHMS.md §3): PPO-clip on the per-step log-ratio, optional KL.
+
+`dance_grpo` (DanceGRPO: the `dance` step, group std, shared initial noise per prompt) and `mix_grpo`
+(MixGRPO: mixed ODE/SDE sampling with the `random` / `progressive` window strategies) are the same loss; their
+config files (`algorithm=dance_grpo`, `algorithm=mix_grpo`) also set the rollout keys that define them.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from ..batch import Rollout
-from .base import PolicyEvaluator, register_algorithm
+from .base import AlgorithmBase, PolicyEvaluator, register_algorithm, weighted_mean
 
 
-def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float):
-    """ℓ = max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε)), ρ = exp(log p_θ − log p_old); returns (mean ℓ, ρ, clipped mask)."""
+def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float,
+                  weight: torch.Tensor | None = None):
+    """ℓ = max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε)), ρ = exp(log p_θ − log p_old); returns (mean_b w·ℓ, ρ, clipped mask)."""
     ratio = torch.exp(log_prob - old_log_prob)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
-    return torch.maximum(unclipped, clipped).mean(), ratio, (clipped > unclipped)
+    return weighted_mean(torch.maximum(unclipped, clipped), weight), ratio, (clipped > unclipped)
 
 
 def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """KL between two Gaussian transitions of equal std: mean_d (μ_θ − μ_ref)² / (2·std²), per sample.
 
     `std` is the transition std (for `sde`: a·sqrt(σ/(1−σ̃))·sqrt(−dt)), so this is the exact per-element KL.
+    A deterministic step (std = 0, e.g. `cps` into σ' = 0) is not a trained transition: its KL is reported as 0.
     """
-    s2 = std.view(-1, *([1] * (mean.dim() - 1))) ** 2
-    return ((mean - ref_mean) ** 2 / (2 * s2)).flatten(1).mean(1)
+    std = std.view(-1, *([1] * (mean.dim() - 1)))
+    s2 = torch.where(std > 0, std, torch.ones_like(std)) ** 2
+    kl = ((mean - ref_mean) ** 2 / (2 * s2)).flatten(1).mean(1)
+    return torch.where(std.flatten() > 0, kl, torch.zeros_like(kl))
+
+
+def add_reference_kl(policy: PolicyEvaluator, batch: Rollout, k: int, out, beta: float, loss: torch.Tensor,
+                     stats: dict) -> torch.Tensor:
+    """loss + β·mean_b KL(current ‖ reference) of step k (§3 Flow-GRPO KL); every policy-gradient loss uses it."""
+    if beta <= 0:
+        return loss
+    with torch.no_grad():
+        ref = policy.step(batch, k, policy="reference")
+    kl = weighted_mean(gaussian_mean_kl(out.mean, ref.mean, out.std), out.weight)
+    stats["kl"] = kl.detach()
+    return loss + beta * kl
+
+
+def old_log_prob(batch: Rollout, k: int, like: torch.Tensor) -> torch.Tensor:
+    """log p_old of step k: the actor's choice by rollout_correction.mode (bypass: the rollout's)."""
+    old = batch.old_log_probs if batch.old_log_probs is not None else batch.log_probs
+    return old[:, k].to(like.device)
+
+
+def old_mean(batch: Rollout, k: int, like: torch.Tensor) -> torch.Tensor:
+    if batch.old_means is None:
+        raise RuntimeError("this loss needs the old policy's transition means (Rollout.old_means), which the batch lacks")
+    return batch.old_means[:, k].to(like.device)
 
 
 @register_algorithm("flow_grpo")
-class FlowGRPO:
+class FlowGRPO(AlgorithmBase):
     """Loss per trained step k of a mini-batch; the actor averages it over the window and the batch."""
 
     def __init__(self, clip_range: float = 1e-4, kl_beta: float = 0.0, adv_std: str = "global", adv_clip_max: float = 5.0):
@@ -38,17 +71,27 @@ class FlowGRPO:
         return self.kl_beta > 0
 
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
-        out = policy.step(batch, k)
+        return self.policy_loss(policy, batch, k, policy.step(batch, k))
+
+    def policy_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int, out) -> tuple[torch.Tensor, dict]:
         adv = batch.advantages.to(out.log_prob.device)
-        old = batch.log_probs[:, k].to(out.log_prob.device)
-        loss, ratio, clipped = ppo_clip_loss(out.log_prob, old, adv, self.clip_range)
+        loss, ratio, clipped = ppo_clip_loss(out.log_prob, old_log_prob(batch, k, out.log_prob), adv,
+                                             self.clip_range, out.weight)
         stats = {"policy_loss": loss.detach(), "clip_frac": clipped.float().mean(), "ratio_mean": ratio.detach().mean(),
                  "ratio_absdev": (ratio.detach() - 1).abs().mean()}
-        if self.kl_beta > 0:
-            with torch.no_grad():
-                ref = policy.step(batch, k, reference=True)
-            kl = gaussian_mean_kl(out.mean, ref.mean, out.std).mean()
-            loss = loss + self.kl_beta * kl
-            stats["kl"] = kl.detach()
+        loss = add_reference_kl(policy, batch, k, out, self.kl_beta, loss, stats)
         stats["loss"] = loss.detach()
         return loss, stats
+
+
+@register_algorithm("dance_grpo")
+class DanceGRPO(FlowGRPO):
+    """DanceGRPO (§3): the Flow-GRPO loss with group-std advantages (the yaml sets the dance step, shared noise)."""
+
+    def __init__(self, clip_range: float = 1e-4, kl_beta: float = 0.0, adv_std: str = "group", adv_clip_max: float = 5.0):
+        super().__init__(clip_range, kl_beta, adv_std, adv_clip_max)
+
+
+@register_algorithm("mix_grpo")
+class MixGRPO(FlowGRPO):
+    """MixGRPO (§3): the Flow-GRPO loss on a mixed ODE/SDE rollout (the yaml sets the window strategy)."""

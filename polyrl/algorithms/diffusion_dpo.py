@@ -1,0 +1,76 @@
+"""Diffusion-DPO (ALGORITHMS.md §3, Wallace et al. 2023): preference pairs, shared noise and timestep.
+
+Online: the best and the worst sample of each group form a pair (groups whose rewards are all equal give none).
+Offline: pairs from a dataset (`polyrl/data/pairs.py`), encoded into `final` / `pair_final` latents; the same loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..batch import Rollout
+from .base import AlgorithmBase, PolicyEvaluator, register_algorithm, weighted_mean
+
+
+def dpo_loss(err_w, err_l, ref_err_w, ref_err_l, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """z = −½β·[(e_θ^w − e_ref^w) − (e_θ^l − e_ref^l)], L = −log σ(z) per pair; returns (L, z)."""
+    z = -0.5 * beta * ((err_w - ref_err_w) - (err_l - ref_err_l))
+    return -F.logsigmoid(z), z
+
+
+def best_worst_pairs(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(winner index, loser index) per group: its highest and lowest reward (first on ties); equal groups skipped."""
+    win, lose = [], []
+    for g in torch.unique(group_ids):
+        idx = torch.nonzero(group_ids == g).flatten()
+        r = rewards[idx]
+        if r.max() > r.min():
+            win.append(int(idx[int(torch.argmax(r))]))
+            lose.append(int(idx[int(torch.argmin(r))]))
+    return torch.tensor(win, dtype=torch.long), torch.tensor(lose, dtype=torch.long)
+
+
+@register_algorithm("diffusion_dpo")
+class DiffusionDPO(AlgorithmBase):
+    needs_reference = True
+    uses_log_probs = False
+
+    def __init__(self, beta: float = 500.0, num_timesteps: int = 2, logit_mean: float = 0.0, logit_std: float = 1.0,
+                 adv_std: str = "global", adv_clip_max: float = 5.0):
+        self.beta, self.num_timesteps = beta, num_timesteps
+        self.logit_mean, self.logit_std = logit_mean, logit_std
+        self.adv_std, self.adv_clip_max = adv_std, adv_clip_max
+
+    def num_terms(self, batch: Rollout) -> int:
+        return self.num_timesteps
+
+    def prepare(self, batch: Rollout) -> Rollout:
+        if batch.pair_final is not None:  # already pairs (offline data)
+            return batch
+        win, lose = best_worst_pairs(batch.rewards, batch.group_ids)
+        pairs = batch.select(win)
+        pairs.pair_final = batch.final[lose]
+        return pairs
+
+    def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
+        x0_w, x0_l = batch.final, batch.pair_final
+        b = len(batch)
+        t = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(b, generator=policy.generator))
+        eps = torch.randn(x0_w.shape, generator=policy.generator)
+        t_ = t.view(-1, 1, 1, 1)
+        x_t = torch.cat([(1 - t_) * x0_w + t_ * eps, (1 - t_) * x0_l + t_ * eps])
+        target = torch.cat([eps - x0_w, eps - x0_l])
+        both = Rollout.cat([batch, batch])
+        tt = torch.cat([t, t])
+        v = policy.velocity(both, x_t, tt, guidance=1.0)
+        with torch.no_grad():
+            v_ref = policy.velocity(both, x_t, tt, policy="reference", guidance=1.0)
+        target = target.to(v.device)
+        err = ((v - target) ** 2).flatten(1).mean(1)
+        ref_err = ((v_ref - target) ** 2).flatten(1).mean(1)
+        per_pair, z = dpo_loss(err[:b], err[b:], ref_err[:b], ref_err[b:], self.beta)
+        loss = weighted_mean(per_pair, None)
+        stats = {"loss": loss.detach(), "policy_loss": loss.detach(), "dpo/accuracy": (z.detach() > 0).float().mean(),
+                 "dpo/margin": z.detach().mean()}
+        return loss, stats

@@ -1,0 +1,85 @@
+"""DiffusionNFT (ALGORITHMS.md §3): likelihood-free, forward-process loss between v⁺ and v⁻ around the old policy.
+
+The rollout runs under the `old` policy (an EMA copy of the trainable weights the actor keeps) with any solver
+(an ODE rollout, noise_level 0, and guidance 1 are allowed); the loss only needs the clean latent and the reward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..batch import Rollout
+from .base import AlgorithmBase, PolicyEvaluator, register_algorithm, weighted_mean
+
+
+def nft_loss(v_theta, v_old, x_t, x0, t, advantages, adv_clip: float, mix_beta: float) -> tuple[torch.Tensor, dict]:
+    """Per-sample L_i = C·[p·mean_d(x̂0⁺−x0)²/w⁺ + (1−p)·mean_d(x̂0⁻−x0)²/w⁻]/β (§3 DiffusionNFT), with
+    p = clamp(A, −C, C)/(2C) + ½, v⁺ = β·v_θ + (1−β)·v_old, v⁻ = (1+β)·v_old − β·v_θ, x̂0^± = x_t − t·v^±,
+    w^± = stopgrad(max(mean_d |x̂0^± − x0|, 1e-5)). Returns (per-sample loss, stats)."""
+    c, beta = adv_clip, mix_beta
+    t_ = t.view(-1, *([1] * (x0.dim() - 1)))
+    p = advantages.clamp(-c, c) / (2 * c) + 0.5
+    v_pos = beta * v_theta + (1 - beta) * v_old
+    v_neg = (1 + beta) * v_old - beta * v_theta
+    x0_pos, x0_neg = x_t - t_ * v_pos, x_t - t_ * v_neg
+    w_pos = (x0_pos - x0).abs().flatten(1).mean(1).clamp(min=1e-5).detach()
+    w_neg = (x0_neg - x0).abs().flatten(1).mean(1).clamp(min=1e-5).detach()
+    err_pos = ((x0_pos - x0) ** 2).flatten(1).mean(1)
+    err_neg = ((x0_neg - x0) ** 2).flatten(1).mean(1)
+    loss = c * (p * err_pos / w_pos + (1 - p) * err_neg / w_neg) / beta
+    return loss, {"nft/err_pos": err_pos.detach().mean(), "nft/err_neg": err_neg.detach().mean()}
+
+
+def old_decay(update: int, decay: float, slope: float, start: int, max_decay: float) -> float:
+    """d(update) = clamp(decay + slope·max(update − start, 0), 0, max_decay): copy (0, 0), constant EMA (d, 0),
+    or a linear ramp such as d = min(0.0075·(step − 75), 0.999) after step 75 (0, 0.0075, 75, 0.999)."""
+    return min(max(decay + slope * max(update - start, 0), 0.0), max_decay)
+
+
+@register_algorithm("diffusion_nft")
+class DiffusionNFT(AlgorithmBase):
+    needs_old = True
+    samples_from_old = True
+    uses_log_probs = False
+
+    def __init__(self, mix_beta: float = 0.1, adv_clip_max: float = 5.0, adv_std: str = "global",
+                 num_timesteps: int = 2, timestep_range: tuple = (0.02, 0.98), ref_coef: float = 0.0,
+                 decay: float = 0.0, decay_slope: float = 0.0, decay_start: int = 0, decay_max: float = 0.999):
+        self.mix_beta, self.adv_clip_max, self.adv_std = mix_beta, adv_clip_max, adv_std
+        self.num_timesteps, self.timestep_range, self.ref_coef = num_timesteps, tuple(timestep_range), ref_coef
+        self.decay, self.decay_slope, self.decay_start, self.decay_max = decay, decay_slope, decay_start, decay_max
+        if not 0 < mix_beta <= 1:
+            raise ValueError(f"algorithm.mix_beta={mix_beta} must be in (0, 1]")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.ref_coef > 0
+
+    def num_terms(self, batch: Rollout) -> int:
+        return self.num_timesteps
+
+    def old_decay(self, update: int) -> float:
+        return old_decay(update, self.decay, self.decay_slope, self.decay_start, self.decay_max)
+
+    def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
+        x0 = batch.final
+        lo, hi = self.timestep_range
+        t = lo + (hi - lo) * torch.rand(len(batch), generator=policy.generator)
+        eps = torch.randn(x0.shape, generator=policy.generator)
+        x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
+        with torch.no_grad():
+            v_old = policy.velocity(batch, x_t, t, policy="old", guidance=1.0)
+        v = policy.velocity(batch, x_t, t, guidance=1.0)
+        dev = v.device
+        per_sample, stats = nft_loss(v, v_old, x_t.to(dev), x0.to(dev), t.to(dev), batch.advantages.to(dev),
+                                     self.adv_clip_max, self.mix_beta)
+        loss = weighted_mean(per_sample, None)
+        stats["policy_loss"] = loss.detach()
+        if self.ref_coef > 0:
+            with torch.no_grad():
+                v_ref = policy.velocity(batch, x_t, t, policy="reference", guidance=1.0)
+            ref_term = ((v - v_ref) ** 2).mean()
+            loss = loss + self.ref_coef * ref_term
+            stats["ref_mse"] = ref_term.detach()
+        stats["loss"] = loss.detach()
+        return loss, stats

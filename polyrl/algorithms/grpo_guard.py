@@ -1,0 +1,51 @@
+"""GRPO-Guard (ALGORITHMS.md §3): a bias-corrected, step-normalised log-ratio in the PPO clip, 1/(−dt) weights."""
+
+from __future__ import annotations
+
+import torch
+
+from ..batch import Rollout
+from .base import AlgorithmBase, PolicyEvaluator, register_algorithm
+from .flow_grpo import add_reference_kl, old_log_prob, old_mean, ppo_clip_loss
+
+
+def guard_log_ratio(log_prob, old_log_prob, mean, old_mean, std) -> torch.Tensor:
+    """(Δlog p + b)·s with b = mean_d (μ_θ − μ_old)² / (2s²), s the per-sample transition std.
+
+    For x' = μ_old + s·z this equals mean_d(z ⊙ (μ_θ − μ_old)) exactly: the −Δμ²/(2s²) bias of the
+    single-sample log-ratio cancels and the 1/s scale that grows at low noise is removed.
+    """
+    s = std.view(-1, *([1] * (mean.dim() - 1)))
+    bias = ((mean - old_mean) ** 2 / (2 * s**2)).flatten(1).mean(1)
+    return (log_prob - old_log_prob + bias) * std
+
+
+def inverse_dt_weights(sigmas: torch.Tensor, k: int) -> torch.Tensor:
+    """1/(−dt) of step k per sample, normalised by its mean over every trained step of the batch."""
+    inv = 1.0 / (sigmas[:, :-1] - sigmas[:, 1:])
+    return inv[:, k] / inv.mean()
+
+
+@register_algorithm("grpo_guard")
+class GRPOGuard(AlgorithmBase):
+    def __init__(self, clip_range: float = 2e-6, kl_beta: float = 0.0, adv_std: str = "global", adv_clip_max: float = 5.0):
+        self.clip_range, self.kl_beta, self.adv_std, self.adv_clip_max = clip_range, kl_beta, adv_std, adv_clip_max
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_beta > 0
+
+    def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
+        out = policy.step(batch, k)
+        adv = batch.advantages.to(out.log_prob.device)
+        log_ratio = guard_log_ratio(out.log_prob, old_log_prob(batch, k, out.log_prob), out.mean,
+                                    old_mean(batch, k, out.mean), out.std)
+        weight = inverse_dt_weights(batch.sigmas.to(out.mean.device), k)
+        if out.weight is not None:
+            weight = weight * out.weight
+        loss, ratio, clipped = ppo_clip_loss(log_ratio, torch.zeros_like(log_ratio), adv, self.clip_range, weight)
+        stats = {"policy_loss": loss.detach(), "clip_frac": clipped.float().mean(), "ratio_mean": ratio.detach().mean(),
+                 "ratio_absdev": (ratio.detach() - 1).abs().mean()}
+        loss = add_reference_kl(policy, batch, k, out, self.kl_beta, loss, stats)
+        stats["loss"] = loss.detach()
+        return loss, stats

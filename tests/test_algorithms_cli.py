@@ -1,0 +1,154 @@
+"""Every algorithm, window strategy and rollout-correction mode through `polyrl train` on the tiny SD3 pipeline,
+plus determinism: identical metrics for identical runs, and resume == uninterrupted (with the EMA copy)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from polyrl.cli.main import main
+
+
+def _args(model_dir, prompts, out, steps, extra=()):
+    return [
+        "train", "recipe=toy_common", f"model.path={model_dir}", f"data.path={prompts}", f"data.heldout_path={prompts}",
+        f"trainer.output_dir={out}", f"trainer.max_steps={steps}", "rollout.height=32", "rollout.width=32",
+        "rollout.num_steps=3", "rollout.n=2", "data.prompts_per_step=2", "rollout.batch_size=4",
+        "rollout.guidance_scale=2.0", "model.max_sequence_length=16", "trainer.eval_samples=2",
+        "trainer.num_validation=2", "trainer.progress=false", "trainer.tensorboard=false", "trainer.eval_every=0",
+        "trainer.save_every=0", "reward=jpeg_compressibility", "rollout.sde_window_size=2",
+        "rollout.sde_window_range=[0,1]", *extra,
+    ]
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _strip_times(rows):
+    """Drop wall-clock metrics (time/*, and throughput perf/achieved_*, perf/mfu derived from it)."""
+    timed = ("time/", "perf/achieved", "perf/mfu")
+    return [{k: v for k, v in r.items() if not k.startswith(timed)} for r in rows]
+
+
+CASES = {
+    "flow_grpo_cps": ["algorithm=flow_grpo", "rollout.step=cps", "algorithm.kl_beta=0.1"],
+    "flow_grpo_dance": ["algorithm=flow_grpo", "rollout.step=dance", "rollout.sde_window_strategy=random"],
+    "flow_dppo": ["algorithm=flow_dppo", "algorithm.kl_beta=0.1"],
+    "grpo_guard": ["algorithm=grpo_guard", "algorithm.kl_beta=0.1"],
+    "dance_grpo": ["algorithm=dance_grpo"],
+    "mix_grpo": ["algorithm=mix_grpo", "rollout.sde_window_every=1"],
+    "diffusion_nft": ["algorithm=diffusion_nft", "rollout.noise_level=0.0", "rollout.guidance_scale=1.0",
+                      "algorithm.ref_coef=0.1"],
+    "diffusion_dpo": ["algorithm=diffusion_dpo"],
+}
+KEYS = {
+    "flow_grpo_cps": ("clip_frac", "kl"), "flow_grpo_dance": ("clip_frac",), "flow_dppo": ("drop_frac", "kl"),
+    "grpo_guard": ("clip_frac", "kl"), "dance_grpo": ("clip_frac",), "mix_grpo": ("clip_frac",),
+    "diffusion_nft": ("nft/err_pos", "ref_mse"), "diffusion_dpo": ("dpo/accuracy",),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_algorithm_trains_two_steps(tiny_sd3_dir, shape_prompts_file, tmp_path, case):
+    out = tmp_path / "run"
+    assert main(_args(tiny_sd3_dir, shape_prompts_file, out, 2, CASES[case])) == 0
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("loss", "grad_norm", *KEYS[case]):
+        assert key in rows[0], (case, key)
+    assert all(r["loss"] == r["loss"] for r in rows)  # finite, not NaN
+    if case == "diffusion_dpo":  # pairs exist only where a group's rewards differ
+        assert rows[0]["train/samples"] <= 2
+    else:
+        assert rows[0]["grad_norm"] > 0
+
+
+def test_opd_distils_from_a_diffusers_teacher(tiny_sd3_dir, shape_prompts_file, tmp_path):
+    out = tmp_path / "run"
+    args = _args(tiny_sd3_dir, shape_prompts_file, out, 1,
+                 ["algorithm=diffusion_opd", f"algorithm.teacher_path={tiny_sd3_dir}", "algorithm.policy_gradient=true",
+                  "actor.num_minibatches=1"])
+    assert main(args) == 0
+    row = _metrics(out)[0]
+    # The teacher is the base network and the LoRA starts as a no-op (one optimizer step, after the loss), so the
+    # student's means equal the teacher's.
+    assert row["distill_kl"] == pytest.approx(0.0, abs=1e-10)
+    assert "clip_frac" in row
+
+
+def test_opd_teacher_from_polyrl_checkpoint(tiny_sd3_dir, shape_prompts_file, tmp_path):
+    teacher_run = tmp_path / "teacher"
+    assert main(_args(tiny_sd3_dir, shape_prompts_file, teacher_run, 1,
+                      ["trainer.save_every=1", "actor.lr=1e-2"])) == 0
+    ckpt = teacher_run / "checkpoints" / "step_000001"
+    out = tmp_path / "student"
+    assert main(_args(tiny_sd3_dir, shape_prompts_file, out, 1,
+                      ["algorithm=diffusion_opd", f"algorithm.teacher_path={ckpt}"])) == 0
+    assert _metrics(out)[0]["distill_kl"] > 0  # a trained teacher differs from the untrained student
+
+
+def test_bad_teacher_path_is_a_clear_error(tiny_sd3_dir, shape_prompts_file, tmp_path, capsys):
+    args = _args(tiny_sd3_dir, shape_prompts_file, tmp_path / "run", 1,
+                 ["algorithm=diffusion_opd", f"algorithm.teacher_path={tmp_path}"])
+    assert main(args) == 2
+    assert "neither a polyrl checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["bypass", "recompute", "decoupled"])
+def test_rollout_correction_modes(tiny_sd3_dir, shape_prompts_file, tmp_path, mode):
+    out = tmp_path / "run"
+    extra = ["algorithm=flow_dppo", f"rollout_correction.mode={mode}", "rollout_correction.log_ratio_bounds=[-1,1]"]
+    assert main(_args(tiny_sd3_dir, shape_prompts_file, out, 1, extra)) == 0
+    row = _metrics(out)[0]
+    if mode == "bypass":
+        assert row["time/old_logprob"] == 0.0 and "correction/abs_dlogp" not in row
+        assert row["correction/masked_frac"] == 0.0  # current vs rollout log-ratio is tiny, inside [-1, 1]
+    else:
+        assert row["time/old_logprob"] > 0
+        # same weights, same kernels on the CPU: the recompute reproduces the rollout's log-probs closely
+        assert row["correction/abs_dlogp"] < 1e-4
+    if mode == "decoupled":
+        assert row["correction/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert row["correction/is_weight_max"] <= 2.0 and row["correction/masked_frac"] == 0.0
+
+
+def test_correction_needs_log_probs(tiny_sd3_dir, shape_prompts_file, tmp_path, capsys):
+    args = _args(tiny_sd3_dir, shape_prompts_file, tmp_path / "run", 1,
+                 ["algorithm=diffusion_nft", "rollout_correction.mode=decoupled"])
+    assert main(args) == 2
+    assert "rollout_correction.mode=decoupled needs log-probabilities" in capsys.readouterr().err
+
+
+def test_ode_rollout_only_for_likelihood_free(tiny_sd3_dir, shape_prompts_file, tmp_path, capsys):
+    args = _args(tiny_sd3_dir, shape_prompts_file, tmp_path / "run", 1, ["rollout.noise_level=0.0"])
+    assert main(args) == 2
+    assert "only likelihood-free algorithms" in capsys.readouterr().err
+
+
+def test_deterministic_runs_are_identical(tiny_sd3_dir, shape_prompts_file, tmp_path):
+    extra = ["trainer.deterministic=true", "algorithm=flow_dppo", "rollout_correction.mode=decoupled",
+             "rollout.sde_window_strategy=random", "actor.ema_decay=0.9"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(_args(tiny_sd3_dir, shape_prompts_file, a, 3, extra)) == 0
+    assert main(_args(tiny_sd3_dir, shape_prompts_file, b, 3, extra)) == 0
+    ra, rb = _strip_times(_metrics(a)), _strip_times(_metrics(b))
+    assert len(ra) == 3 and ra == rb  # bitwise: JSON floats round-trip exactly
+
+
+def test_nft_resume_matches_uninterrupted_run(tiny_sd3_dir, shape_prompts_file, tmp_path):
+    """The EMA (old) copy and its update count are checkpointed: 2 + 1 steps == 3 steps, weights bitwise."""
+    extra = ["trainer.deterministic=true", "trainer.save_every=1", "algorithm=diffusion_nft",
+             "rollout.noise_level=0.0", "algorithm.decay=0.5", "algorithm.decay_slope=0.1"]
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert main(_args(tiny_sd3_dir, shape_prompts_file, full, 3, extra)) == 0
+    assert main(_args(tiny_sd3_dir, shape_prompts_file, split, 2, extra)) == 0
+    assert main(_args(tiny_sd3_dir, shape_prompts_file, split, 3, extra + ["trainer.resume=auto"])) == 0
+    assert _strip_times(_metrics(full)) == _strip_times(_metrics(split))
+    for name in ("adapter_model.safetensors", "old_weights.safetensors"):
+        wa = load_file(str(full / "checkpoints" / "step_000003" / name))
+        wb = load_file(str(split / "checkpoints" / "step_000003" / name))
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
