@@ -4,6 +4,7 @@
     polyrl config [overrides...]           print the resolved config
     polyrl sample checkpoint=DIR [n=16] [out=PATH] [overrides...]   render a grid from a checkpoint
     polyrl pretrain-toy [--out DIR] ...    re-train the embedded toy base model
+    polyrl serve-reward reward=NAME [reward.k=v ...] [--host H] [--port N] [--token T]   a reward over HTTP
 """
 
 from __future__ import annotations
@@ -99,7 +100,13 @@ def cmd_pretrain_toy(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "config": cmd_config, "sample": cmd_sample, "pretrain-toy": cmd_pretrain_toy}
+def cmd_serve_reward(args: list[str]) -> int:
+    from ..serving.cli import main as serve_main
+
+    return serve_main(args)
+
+
+COMMANDS = {"serve-reward": cmd_serve_reward, "train": cmd_train, "config": cmd_config, "sample": cmd_sample, "pretrain-toy": cmd_pretrain_toy}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, FileExistsError) as e:
         print(f"polyrl: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        from ..rewards.stage import RewardUnavailable
+
+        if not isinstance(e, RewardUnavailable):
+            raise
+        print(f"polyrl: stopped: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

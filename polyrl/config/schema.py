@@ -165,7 +165,11 @@ def validate(raw: DictConfig) -> DictConfig:
     _check_choice("model.dtype", cfg.model.dtype, DTYPES)
     _check_choice("trainer.device", cfg.trainer.device, DEVICES)
     _check_kwargs("algorithm", OmegaConf.to_container(cfg.algorithm), ALGORITHMS)
-    _check_kwargs("reward", OmegaConf.to_container(cfg.reward), REWARDS)
+    reward_cfg = OmegaConf.to_container(cfg.reward)
+    overlap = reward_cfg.pop("async", False)  # a reward-stage option (rewards/stage.py), for every reward
+    if not isinstance(overlap, bool):
+        raise ConfigError(f"reward.async={overlap!r} must be true or false")
+    _check_kwargs("reward", reward_cfg, REWARDS)
     r = cfg.rollout
     for key in ("height", "width", "num_steps", "n", "batch_size"):
         if r[key] < 1:

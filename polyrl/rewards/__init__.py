@@ -1,4 +1,4 @@
-from . import aesthetic, clip_score, jpeg, latent, mix, ocr, pickscore, shapes  # noqa: F401  (register the built-in scorers)
+from . import aesthetic, clip_score, http, jpeg, latent, mix, ocr, pickscore, shapes  # noqa: F401  (register the built-in scorers)
 from .base import (
     REWARDS,
     Audio,

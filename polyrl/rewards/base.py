@@ -141,4 +141,5 @@ register_reward = REWARDS.register
 
 def build_reward(cfg: dict) -> Reward:
     cfg = dict(cfg)
+    cfg.pop("async", None)  # a reward-stage option (rewards/stage.py), not a constructor argument
     return REWARDS.build(cfg.pop("name"), **cfg)

@@ -106,7 +106,7 @@ def decode_images(adapter: GeneratorAdapter, latents: torch.Tensor, batch_size: 
 def rollout(
     adapter: GeneratorAdapter, prompts: list[str], metadata: list[dict], group_ids: torch.Tensor,
     plan: SamplingPlan, generator: torch.Generator, negative_prompt: str = "", initial_noise: torch.Tensor | None = None,
-    decode: bool = True, step: int = 0,
+    decode: bool = True, step: int = 0, on_chunk=None,
 ) -> Rollout:
     """Sample len(prompts) trajectories in chunks of `plan.batch_size` and (optionally) decode them.
 
@@ -131,6 +131,8 @@ def rollout(
         c = {k: v[sl] for k, v in cond.items()}
         n = None if neg is None else {k: v.expand(sl.stop - sl.start, *v.shape[1:]) for k, v in neg.items()}
         parts.append(sample_latents(adapter, c, n, initial_noise[sl].to(device), plan, starts[sl], generator))
+        if on_chunk is not None:
+            on_chunk(sl, parts[-1][4])  # the chunk's clean latents (sample_latents' 5th output)
     latents, log_probs, sigmas, levels, final, means = (torch.cat(t) for t in zip(*parts, strict=False))
     images = decode_images(adapter, final, plan.batch_size) if decode else None
     return Rollout(

@@ -24,8 +24,9 @@ from ..batch import Rollout
 from ..data.prompts import PromptSampler, load_prompts, split_row
 from ..models import build_model
 from ..perf.timer import StageTimer
-from ..rewards import build_reward, call_reward, reward_inputs
-from ..sampling.rollout import SamplingPlan, decode_images, rollout
+from ..rewards import build_reward
+from ..rewards.stage import RewardStage, RewardUnavailable, score_batch  # noqa: F401  (score_batch: re-exported)
+from ..sampling.rollout import SamplingPlan, rollout
 from .checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from .logging import MetricsLogger, plot_reward_curve, save_grid
 
@@ -86,17 +87,6 @@ def set_determinism(deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def score_batch(reward, name: str, batch: Rollout) -> None:
-    """Reward stage; a reward that returns the wrong shape or a non-finite score stops the run."""
-    out = call_reward(reward, batch.images, batch.prompts, batch.metadata, latents=batch.final)
-    scores = torch.as_tensor(out.scores, dtype=torch.float32).reshape(-1)
-    if scores.numel() != len(batch) or not torch.isfinite(scores).all():
-        raise RuntimeError(
-            f"reward {name!r} returned {scores.numel()} scores for {len(batch)} images "
-            f"(non-finite: {int((~torch.isfinite(scores)).sum())}); refusing to train on them"
-        )
-    batch.rewards, batch.reward_extras = scores, out.extras
-
 
 @torch.no_grad()
 def evaluate(adapter, reward, cfg: DictConfig, rows: list[dict], plan: SamplingPlan, n: int | None = None):
@@ -122,6 +112,7 @@ class Trainer:
         # Everything that can fail on a bad config or bad data fails here, before the model is loaded.
         self.reward = build_reward(OmegaConf.to_container(cfg.reward))
         self.algo = build_algorithm(OmegaConf.to_container(cfg.algorithm))
+        self.reward_stage = RewardStage(self.reward, cfg.reward.name, overlap=bool(cfg.reward.get("async", False)))
         self.sampler = PromptSampler(load_prompts(cfg.data.path), t.seed, cfg.data.shuffle)
         self.heldout = load_prompts(cfg.data.heldout_path) if cfg.data.heldout_path else None
         self.plan = plan_from_config(cfg.rollout)
@@ -157,15 +148,17 @@ class Trainer:
                 groups += [g] * cfg.rollout.n
             with timer("text_encode"):  # fills the adapter's prompt cache; the rollout then reads it
                 self.adapter.encode_prompts(sorted(set(prompts)) + [cfg.rollout.negative_prompt])
-            with timer("rollout"), self.actor.sampling_policy():
-                batch = rollout(self.adapter, prompts, metadata, torch.tensor(groups), self.plan,
-                                step_generator(cfg.trainer.seed, step), cfg.rollout.negative_prompt, decode=False,
-                                step=step)
-            if "images" in reward_inputs(self.reward):  # a latent-only reward needs no decode
-                with timer("decode"):
-                    batch.images = decode_images(self.adapter, batch.final, self.plan.batch_size)
-            with timer("reward"):
-                self.score(batch)
+            # decode + reward: after the rollout, or chunk by chunk during it (reward.async, rewards/stage.py)
+            scoring = self.reward_stage.begin(self.adapter, self.plan.batch_size, prompts, metadata)
+            try:
+                with timer("rollout"), self.actor.sampling_policy():
+                    batch = rollout(self.adapter, prompts, metadata, torch.tensor(groups), self.plan,
+                                    step_generator(cfg.trainer.seed, step), cfg.rollout.negative_prompt,
+                                    decode=False, step=step, on_chunk=scoring.on_chunk)
+            except BaseException:
+                scoring.cancel()
+                raise
+            scoring.finish(batch, timer)
             batch.advantages = compute_advantages(self.algo, batch)
             with timer("train"):
                 stats = self.actor.update(self.algo, batch, step_generator(cfg.trainer.seed, step, stream=1))
@@ -207,6 +200,20 @@ class Trainer:
         metrics["time/eval"] = time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------- loop
+    def _stop_after_reward_failure(self, error: Exception, sampler_state: dict | None, unlogged: dict | None) -> str:
+        """Checkpoint the last completed step (a failed step is dropped: its prompts are drawn again on
+        resume) and return the stop message."""
+        if unlogged is not None:  # the step trained, then its evaluation failed
+            self.logger.log(unlogged)
+        if sampler_state is not None:
+            self.sampler.load_state_dict(sampler_state)
+        if self.step == 0:
+            return f"{error}\nno training step had completed: nothing to save"
+        ckpt = checkpoint_dir(self.run_dir, self.step)
+        if not (ckpt / "trainer_state.pt").is_file():
+            save_checkpoint(ckpt, self.actor, self.sampler, self.step, {})
+        return f"{error}\nsaved checkpoint {ckpt} (step {self.step}); continue with trainer.resume={ckpt}"
+
     def fit(self) -> list[dict]:
         t = self.cfg.trainer
         if self.step == 0 and t.eval_every > 0:
@@ -215,14 +222,18 @@ class Trainer:
             self.logger.log(m)
         bar = tqdm(total=t.max_steps, initial=self.step, desc=self.cfg.name, disable=not t.progress,
                    dynamic_ncols=True)
+        sampler_state, unlogged = None, None  # for a stop on a reward-service failure (see below)
         try:
             while self.step < t.max_steps:
+                sampler_state = self.sampler.state_dict()  # the data position before this step
                 metrics = self.train_step()
                 self.step += 1
+                sampler_state, unlogged = None, metrics
                 last = self.step == t.max_steps
                 if t.eval_every > 0 and (self.step % t.eval_every == 0 or last):
                     self._eval_and_grid(metrics)
                 self.logger.log(metrics)
+                unlogged = None
                 if t.save_every > 0 and (self.step % t.save_every == 0 or last):
                     save_checkpoint(checkpoint_dir(self.run_dir, self.step), self.actor, self.sampler, self.step, {})
                 post = {"reward": f"{metrics['reward/mean']:.3f}"}
@@ -230,6 +241,8 @@ class Trainer:
                     post["heldout"] = f"{metrics['eval/reward_mean']:.3f}"
                 bar.set_postfix(post)
                 bar.update(1)
+        except RewardUnavailable as e:
+            raise RewardUnavailable(self._stop_after_reward_failure(e, sampler_state, unlogged)) from e
         finally:
             bar.close()
             history = self.logger.history()

@@ -1,0 +1,184 @@
+"""The reward stage of a training step: decode the clean latents, score them, attach scores to the batch.
+
+Two schedules, the same numbers:
+
+* sync (`reward.async=false`): after the whole rollout, decode every chunk, then score the batch.
+* overlapped (`reward.async=true`): the rollout samples the batch in chunks of `rollout.batch_size`; as soon
+  as chunk i is sampled, a worker thread decodes and scores it while the main thread samples chunk i+1.
+
+Why inside one step and not across steps: the rollout of step k+1 must use the weights after step k's update,
+and that update needs step k's rewards (the advantages are normalised over whole groups). Scoring step k while
+step k+1 is sampled would therefore sample step k+1 from one-update-old weights (off-policy by one step).
+Overlapping chunks of one step keeps every sample on-policy; what is not hidden is the decode + score of the
+last chunk (and everything, when the batch is one chunk: set `rollout.batch_size` below the step's samples).
+
+The overlapped schedule assumes a pointwise reward (a sample's score does not depend on the other samples of
+the call), which every built-in scorer is; with it both schedules give identical scores and training.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+
+import torch
+
+from ..batch import Rollout
+from .base import RewardOutput, call_reward, reward_inputs
+
+
+class RewardUnavailable(RuntimeError):
+    """A reward service that could not score the batch: still failing after its retry budget, or refusing
+    the request. The trainer saves a checkpoint of the last completed step and stops with this message
+    (it names the service and the last error)."""
+
+
+def checked_scores(out: RewardOutput, name: str, n: int) -> torch.Tensor:
+    """(n,) float32 scores; a wrong count or a non-finite score stops the step (never trained on)."""
+    scores = torch.as_tensor(out.scores, dtype=torch.float32).reshape(-1)
+    if scores.numel() != n or not torch.isfinite(scores).all():
+        raise RuntimeError(
+            f"reward {name!r} returned {scores.numel()} scores for {n} images "
+            f"(non-finite: {int((~torch.isfinite(scores)).sum())}); refusing to train on them"
+        )
+    return scores
+
+
+def score_batch(reward, name: str, batch: Rollout) -> None:
+    """Score the batch in one call (decoded media and/or latents, as the reward declares) and attach
+    `rewards` and `reward_extras`."""
+    out = call_reward(reward, batch.images, batch.prompts, batch.metadata, latents=batch.final)
+    batch.rewards, batch.reward_extras = checked_scores(out, name, len(batch)), out.extras
+
+
+def _as_list(value, n: int) -> list:
+    if isinstance(value, torch.Tensor):
+        value = value.reshape(-1).tolist()
+    value = list(value) if isinstance(value, (list, tuple)) else [value] * n
+    if len(value) != n:
+        raise ValueError(f"an extra of length {len(value)} for a chunk of {n} samples")
+    return value
+
+
+def merge_extras(parts: list[tuple[int, dict]]) -> dict[str, list]:
+    """Per-sample extras of consecutive chunks `(chunk size, extras)` -> one list per name over all samples.
+
+    A name missing from a chunk is None for that chunk's samples (the metrics skip None, so a diagnostic that
+    one chunk did not produce is not counted as 0). Non-finite floats are kept as they are.
+    """
+    names: list[str] = []
+    for _, extras in parts:
+        names += [k for k in extras if k not in names]
+    return {k: sum((_as_list(e[k], n) if k in e else [None] * n for n, e in parts), []) for k in names}
+
+
+class WallTimer:
+    """`with timer("x"): ...` adds wall seconds to `timer.times["time/x"]` (the trainer passes its own stage
+    timer, which also synchronises the GPU)."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.perf_counter() - t0
+
+
+class _Overlapped:
+    """One step's overlapped scoring: `on_chunk` submits decode + score of a chunk, `finish` collects."""
+
+    def __init__(self, stage: RewardStage, adapter, prompts: list[str], metadata: list[dict]):
+        self.stage, self.adapter, self.prompts, self.metadata = stage, adapter, prompts, metadata
+        self.futures: list[Future] = []
+        self.busy = {"time/decode": 0.0, "time/reward": 0.0}
+
+    def on_chunk(self, chunk: slice, final: torch.Tensor) -> None:
+        self.futures.append(self.stage.executor.submit(self._work, chunk, final))
+
+    def _work(self, chunk: slice, final: torch.Tensor):
+        with torch.no_grad():  # grad mode is per thread
+            t0 = time.perf_counter()
+            images = self.adapter.decode(final.to(self.adapter.device)).cpu() if self.stage.reads_media else None
+            t1 = time.perf_counter()
+            prompts, metadata = self.prompts[chunk], self.metadata[chunk]
+            out = call_reward(self.stage.reward, images, prompts, metadata, latents=final)
+            scores = checked_scores(out, self.stage.name, len(prompts))
+        # one worker thread: no lock needed
+        self.busy["time/decode"] += t1 - t0
+        self.busy["time/reward"] += time.perf_counter() - t1
+        return images, scores, out.extras
+
+    def finish(self, batch: Rollout, timer: WallTimer | None = None) -> dict[str, float]:
+        """Wait for the chunks (timed as `reward_wait`: the part not hidden behind sampling) and attach the
+        results; the worker's busy seconds go to `time/decode` and `time/reward`."""
+        timer = timer or WallTimer()
+        try:
+            with timer("reward_wait"):
+                results = [f.result() for f in self.futures]
+        finally:
+            self.cancel()
+        n = sum(len(s) for _, s, _ in results)
+        if n != len(batch):
+            raise RuntimeError(f"overlapped reward scored {n} of {len(batch)} samples: the rollout did not "
+                               "report every chunk through on_chunk")
+        batch.images = torch.cat([im for im, _, _ in results]) if self.stage.reads_media else None
+        batch.rewards = torch.cat([s for _, s, _ in results])
+        batch.reward_extras = merge_extras([(len(s), e) for _, s, e in results])
+        for k, v in self.busy.items():
+            timer.times[k] = timer.times.get(k, 0.0) + v
+        return timer.times
+
+    def cancel(self) -> None:
+        for f in self.futures:
+            f.cancel()
+
+
+class _Sync:
+    on_chunk = None  # the rollout runs as it does without a reward stage
+
+    def __init__(self, stage: RewardStage, adapter, batch_size: int):
+        self.stage, self.adapter, self.batch_size = stage, adapter, batch_size
+
+    def finish(self, batch: Rollout, timer: WallTimer | None = None) -> dict[str, float]:
+        from ..sampling.rollout import decode_images
+
+        timer = timer or WallTimer()
+        if self.stage.reads_media:  # a latent-only reward needs no decode
+            with timer("decode"):
+                batch.images = decode_images(self.adapter, batch.final, self.batch_size)
+        with timer("reward"):
+            score_batch(self.stage.reward, self.stage.name, batch)
+        return timer.times
+
+    def cancel(self) -> None:
+        pass
+
+
+class RewardStage:
+    """Per step: `scoring = stage.begin(adapter, batch_size, prompts, metadata)`, then
+    `rollout(..., on_chunk=scoring.on_chunk)`, then `scoring.finish(batch, timer)`, which fills `images`,
+    `rewards` and `reward_extras` (call `scoring.cancel()` instead when the rollout failed).
+
+    `timer` records `time/decode`, `time/reward` (and `time/reward_wait` when overlapped); `finish` returns
+    its `times`.
+    """
+
+    def __init__(self, reward, name: str, overlap: bool = False):
+        self.reward, self.name, self.overlap = reward, name, overlap
+        self.reads_media = "images" in reward_inputs(reward)
+        # one worker: chunks are scored in order and the reward is never called concurrently
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyrl-reward") if overlap else None
+
+    def begin(self, adapter, batch_size: int, prompts: list[str], metadata: list[dict]):
+        if self.overlap:
+            return _Overlapped(self, adapter, list(prompts), list(metadata))
+        return _Sync(self, adapter, batch_size)
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,75 @@
+"""`polyrl serve-reward reward=<name> [reward.key=value ...] [--host H] [--port N] [--token T] ...`"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from .server import ServerLimits
+
+
+def reward_config(args: list[str]) -> dict:
+    """`reward=<name>` (its YAML in polyrl/config/reward/ when there is one) + `reward.key=value` overrides,
+    checked against the reward's constructor as `polyrl train` checks them."""
+    from omegaconf import OmegaConf
+
+    from ..config import ConfigError
+    from ..config.schema import _check_kwargs
+    from ..rewards import REWARDS
+
+    names = [a.partition("=")[2] for a in args if a.startswith("reward=")]
+    bad = [a for a in args if not a.startswith(("reward=", "reward."))]
+    if bad:
+        raise ConfigError(f"unexpected argument(s) {' '.join(bad)}; expected reward=<name> and reward.<key>=<value>")
+    if len(names) != 1:
+        raise ConfigError(f"give the reward to serve once, as reward=<name>; registered: {', '.join(sorted(REWARDS))}")
+    yaml = os.path.join(os.path.dirname(__file__), "..", "config", "reward", f"{names[0]}.yaml")
+    base = OmegaConf.load(yaml) if os.path.isfile(yaml) else OmegaConf.create({"name": names[0]})
+    cfg = OmegaConf.merge(base, OmegaConf.from_dotlist([a.removeprefix("reward.") for a in args
+                                                        if a.startswith("reward.")]))
+    if OmegaConf.missing_keys(cfg):
+        raise ConfigError(f"reward.{sorted(OmegaConf.missing_keys(cfg))[0]} must be set")
+    out = OmegaConf.to_container(cfg, resolve=True)
+    out.pop("async", None)  # a trainer-side option; meaningless on the server
+    _check_kwargs("reward", out, REWARDS)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="polyrl serve-reward",
+        description="serve a registered reward over HTTP: GET /health, POST /score (see docs/rewards.md)",
+    )
+    p.add_argument("overrides", nargs="*", help="reward=<name> and reward.<key>=<value>")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--token", default=None,
+                   help="require 'Authorization: Bearer <token>' on /score (default: $POLYRL_REWARD_TOKEN if set)")
+    defaults = ServerLimits()
+    p.add_argument("--max-batch", type=int, default=defaults.max_batch, help="images per scorer call")
+    p.add_argument("--max-wait-ms", type=float, default=defaults.max_wait_ms,
+                   help="how long a scorer call waits for more requests to merge")
+    p.add_argument("--max-body-mb", type=float, default=defaults.max_body_bytes / 2**20)
+    p.add_argument("--max-images", type=int, default=defaults.max_images, help="images in one request")
+    p.add_argument("--max-image-pixels", type=int, default=defaults.max_image_pixels)
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first (a module that registers your own reward with @register_reward)")
+    p.add_argument("--log-level", default="info")
+    a = p.parse_args(argv)
+    for module in a.imports:
+        importlib.import_module(module)
+
+    from ..rewards import build_reward
+    from .server import create_app, serve
+
+    cfg = reward_config(a.overrides)
+    limits = ServerLimits(max_body_bytes=int(a.max_body_mb * 2**20), max_images=a.max_images,
+                          max_image_pixels=a.max_image_pixels, max_batch=a.max_batch, max_wait_ms=a.max_wait_ms)
+    token = a.token if a.token is not None else os.environ.get("POLYRL_REWARD_TOKEN") or None
+    reward = build_reward(cfg)
+    print(f"polyrl: serving reward {cfg['name']} on http://{a.host}:{a.port} (POST /score, GET /health"
+          f"{', bearer token required' if token else ''})", file=sys.stderr, flush=True)
+    serve(create_app(reward, cfg["name"], limits, token), a.host, a.port, a.log_level)
+    return 0
