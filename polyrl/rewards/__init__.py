@@ -1,4 +1,4 @@
-from . import aesthetic, clip_score, http, jpeg, latent, mix, ocr, pickscore, shapes  # noqa: F401  (register the built-in scorers)
+from . import aesthetic, clip_score, hps, http, jpeg, latent, mix, ocr, pickscore, shapes, vlm_judge  # noqa: F401  (register the built-in scorers)
 from .base import (
     REWARDS,
     Audio,

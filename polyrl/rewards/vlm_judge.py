@@ -1,0 +1,124 @@
+"""`vlm_judge`: ask a local vision-language model about each image and parse a number from its answer (the
+GenRM / UnifiedReward pattern).
+
+Any transformers VLM that loads with `AutoModelForImageTextToText` + `AutoProcessor` and has a chat
+template (Qwen2-VL / Qwen2.5-VL, LLaVA, Idefics3, ...) works: one user message of [image, question], the
+question being `template` with `{prompt}` replaced by the generation prompt; greedy decoding of at most
+`max_new_tokens` tokens; the first match of `pattern` in the answer, its first group read as a float.
+
+Default pattern: `score` (any case), optional `:` or `=`, then a number, e.g. "Score: 7", "score = 3.5".
+With `score_range: [lo, hi]` a value outside it counts as unparseable and the score is (v - lo) / (hi - lo).
+An unparseable answer is never a 0: `on_unparseable=error` (default) stops with the answer's text;
+`exclude` gives the sample a NaN score and 1.0 in the extra `vlm_judge/unparseable` — useful as an optional
+component of `reward=mix`, which then excludes it (alone, the trainer refuses non-finite scores).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from .base import (
+    RewardOutput,
+    check_batch,
+    image_batch_as_uint8,
+    media_kind,
+    register_reward,
+    resolve_device,
+    resolve_dtype,
+)
+from .clip_score import local_dir
+
+DEFAULT_TEMPLATE = ('Look at the image. How well does it show "{prompt}"? Rate it from 0 to 10 and answer in '
+                    'the form "Score: N".')
+DEFAULT_PATTERN = r"(?i)score\s*[:=]?\s*(-?\d+(?:\.\d+)?)"
+UNPARSEABLE = ("error", "exclude")
+
+
+def parse_score(answer: str, pattern: str | re.Pattern, score_range=None) -> float | None:
+    """The number of the first `pattern` match (group 1), mapped by `score_range`; None when there is none
+    or it lies outside the range."""
+    m = re.search(pattern, answer)
+    if m is None:
+        return None
+    try:
+        value = float(m.group(1))
+    except (IndexError, ValueError):
+        return None
+    if not math.isfinite(value):
+        return None
+    if score_range is not None:
+        lo, hi = score_range
+        if not lo <= value <= hi:
+            return None
+        value = (value - lo) / (hi - lo)
+    return value
+
+
+class LocalVLM:
+    """A local VLM and its processor; `inputs(images, questions)` builds one chat turn per image."""
+
+    def __init__(self, path: str, device: str = "auto", dtype: str = "float32", padding_side: str = "left"):
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        path = local_dir(path, "VLM path")
+        self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
+        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        self.processor = AutoProcessor.from_pretrained(path)
+        self.processor.tokenizer.padding_side = padding_side  # left: batched generation / last position = last token
+
+    def inputs(self, images: torch.Tensor, questions: list[str]) -> dict:
+        if media_kind(images) != "images":
+            raise ValueError(f"VLM scorers score images (B, 3, H, W), got {tuple(images.shape)}")
+        chats = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}] for q in questions]
+        text = self.processor.apply_chat_template(chats, add_generation_prompt=True, tokenize=False)
+        batch = self.processor(text=text, images=image_batch_as_uint8(images), return_tensors="pt", padding=True)
+        return {k: (v.to(self.device, self.dtype) if torch.is_floating_point(v) else v.to(self.device))
+                for k, v in batch.items()}
+
+
+@register_reward("vlm_judge")
+class VLMJudge:
+    """Score = the number the VLM answers to `template` (module docstring)."""
+
+    def __init__(self, path: str, template: str = DEFAULT_TEMPLATE, pattern: str = DEFAULT_PATTERN,
+                 score_range: list | None = None, on_unparseable: str = "error", max_new_tokens: int = 32,
+                 device: str = "auto", dtype: str = "float32"):
+        if on_unparseable not in UNPARSEABLE:
+            raise ValueError(f"vlm_judge: on_unparseable={on_unparseable!r}; allowed: {', '.join(UNPARSEABLE)}")
+        if "{prompt}" not in template:
+            raise ValueError("vlm_judge: template must contain {prompt}")
+        self.pattern = re.compile(pattern)
+        if self.pattern.groups < 1:
+            raise ValueError(f"vlm_judge: pattern {pattern!r} needs a capture group around the number")
+        if score_range is not None:
+            score_range = tuple(float(x) for x in score_range)
+            if len(score_range) != 2 or not score_range[0] < score_range[1]:
+                raise ValueError(f"vlm_judge: score_range={list(score_range)} must be [lo, hi] with lo < hi")
+        self.template, self.score_range = template, score_range
+        self.on_unparseable, self.max_new_tokens = on_unparseable, int(max_new_tokens)
+        self.vlm = LocalVLM(path, device, dtype)
+        self.last_answers: list[str] = []
+
+    @torch.no_grad()
+    def answers(self, images: torch.Tensor, prompts: list[str]) -> list[str]:
+        batch = self.vlm.inputs(images, [self.template.replace("{prompt}", p) for p in prompts])
+        tok, gen = self.vlm.processor.tokenizer, self.vlm.model.generation_config
+        out = self.vlm.model.generate(**batch, max_new_tokens=self.max_new_tokens, do_sample=False,
+                                      eos_token_id=gen.eos_token_id if gen.eos_token_id is not None else tok.eos_token_id,
+                                      pad_token_id=gen.pad_token_id if gen.pad_token_id is not None else tok.pad_token_id)
+        return self.vlm.processor.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    def __call__(self, images, prompts, metadata=None) -> RewardOutput:
+        check_batch("vlm_judge", images.shape[0], prompts, metadata)
+        self.last_answers = self.answers(images, prompts)
+        values = [parse_score(a, self.pattern, self.score_range) for a in self.last_answers]
+        bad = [i for i, v in enumerate(values) if v is None]
+        if bad and self.on_unparseable == "error":
+            i = bad[0]
+            raise ValueError(f"vlm_judge: {len(bad)} of {len(values)} answers have no score matching "
+                             f"{self.pattern.pattern!r} (first, sample {i}: {self.last_answers[i]!r})")
+        scores = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
+        return RewardOutput(scores, {"vlm_judge/unparseable": [float(v is None) for v in values]})
