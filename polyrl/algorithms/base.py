@@ -43,6 +43,7 @@ class AlgorithmBase:
     needs_old: bool = False  # an EMA copy of the trainable weights (the `old` policy)
     samples_from_old: bool = False  # the rollout runs under the `old` policy
     uses_log_probs: bool = True  # False: likelihood-free (ODE rollouts allowed, no rollout correction)
+    trains_on_pairs: bool = False  # accepts offline preference pairs (data.pairs_path)
     teacher_path: str | None = None  # a frozen teacher (polyrl checkpoint or diffusers directory)
     adv_std: str = "global"
     adv_clip_max: float = 5.0

@@ -35,6 +35,7 @@ def best_worst_pairs(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[to
 class DiffusionDPO(AlgorithmBase):
     needs_reference = True
     uses_log_probs = False
+    trains_on_pairs = True
 
     def __init__(self, beta: float = 500.0, num_timesteps: int = 2, logit_mean: float = 0.0, logit_std: float = 1.0,
                  adv_std: str = "global", adv_clip_max: float = 5.0):

@@ -66,6 +66,7 @@ class ActorConfig:
 class DataConfig:
     path: str = MISSING
     heldout_path: str | None = None
+    pairs_path: str | None = None  # offline preference pairs (.jsonl / .parquet: prompt, chosen, rejected); no rollout
     prompts_per_step: int = 8
     shuffle: bool = True
 
@@ -198,6 +199,10 @@ def validate(raw: DictConfig) -> DictConfig:
                           f"only likelihood-free algorithms such as diffusion_nft may sample with the ODE)")
     if r.noise_level < 0:
         raise ConfigError(f"rollout.noise_level={r.noise_level} must be >= 0")
+    if cfg.data.pairs_path is not None and not getattr(algo_cls, "trains_on_pairs", False):
+        allowed = sorted(n for n, c in ALGORITHMS.items() if getattr(c, "trains_on_pairs", False))
+        raise ConfigError(f"data.pairs_path is set but algorithm {cfg.algorithm.name} does not train on preference "
+                          f"pairs; allowed: {', '.join(allowed)}")
     rc = cfg.rollout_correction
     _check_choice("rollout_correction.mode", rc.mode, ["bypass", "recompute", "decoupled"])
     if rc.mode != "bypass" and not uses_log_probs:

@@ -21,6 +21,7 @@ from ..actor.local import LocalActor
 from ..algorithms import build_algorithm, compute_advantages
 from ..algorithms.advantage import zero_std_ratio
 from ..batch import Rollout
+from ..data.pairs import load_pairs, pair_batch
 from ..data.prompts import PromptSampler, load_prompts, split_row
 from ..models import build_model
 from ..perf.timer import StageTimer
@@ -111,9 +112,11 @@ class Trainer:
         self.device = pick_device(t.device)
         # Everything that can fail on a bad config or bad data fails here, before the model is loaded.
         self.reward = build_reward(OmegaConf.to_container(cfg.reward))
-        self.algo = build_algorithm(OmegaConf.to_container(cfg.algorithm))
         self.reward_stage = RewardStage(self.reward, cfg.reward.name, overlap=bool(cfg.reward.get("async", False)))
-        self.sampler = PromptSampler(load_prompts(cfg.data.path), t.seed, cfg.data.shuffle)
+        self.algo = build_algorithm(OmegaConf.to_container(cfg.algorithm))
+        # Offline pairs (data.pairs_path) replace the prompts: each step trains on a batch of pairs, no rollout.
+        self.pairs = load_pairs(cfg.data.pairs_path) if cfg.data.pairs_path else None
+        self.sampler = PromptSampler(self.pairs or load_prompts(cfg.data.path), t.seed, cfg.data.shuffle)
         self.heldout = load_prompts(cfg.data.heldout_path) if cfg.data.heldout_path else None
         self.plan = plan_from_config(cfg.rollout)
 
@@ -134,8 +137,21 @@ class Trainer:
     def score(self, batch: Rollout) -> None:
         score_batch(self.reward, self.cfg.reward.name, batch)
 
+    def pair_step(self) -> dict:
+        """One update on a batch of offline preference pairs (data.pairs_path): encode, then the actor's update."""
+        cfg, step = self.cfg, self.step
+        t0 = time.perf_counter()
+        batch = pair_batch(self.adapter, self.sampler.next(cfg.data.prompts_per_step), cfg.rollout.height, cfg.rollout.width)
+        t1 = time.perf_counter()
+        stats = self.actor.update(self.algo, batch, step_generator(cfg.trainer.seed, step, stream=1))
+        t2 = time.perf_counter()
+        return {"step": step + 1, **stats, "lr": self.actor.optimizer.param_groups[0]["lr"],
+                "time/encode": t1 - t0, "time/train": t2 - t1, "time/step": t2 - t0}
+
     def train_step(self) -> dict:
         cfg, step = self.cfg, self.step
+        if self.pairs is not None:
+            return self.pair_step()
         timer = StageTimer(self.device)
         flops_before = getattr(self.adapter, "flops", 0.0)
         with timer("step"):
@@ -236,7 +252,7 @@ class Trainer:
                 unlogged = None
                 if t.save_every > 0 and (self.step % t.save_every == 0 or last):
                     save_checkpoint(checkpoint_dir(self.run_dir, self.step), self.actor, self.sampler, self.step, {})
-                post = {"reward": f"{metrics['reward/mean']:.3f}"}
+                post = {"reward": f"{metrics['reward/mean']:.3f}"} if "reward/mean" in metrics else {}
                 if "eval/reward_mean" in metrics:
                     post["heldout"] = f"{metrics['eval/reward_mean']:.3f}"
                 bar.set_postfix(post)
