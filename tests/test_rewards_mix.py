@@ -219,10 +219,34 @@ def test_mix_of_image_and_latent_rewards_gets_both(tmp_path):
     assert reward_inputs(only_latent) == {"latents"}
 
 
+def _train(model_dir, prompts, out, mix, steps=2):
+    from polyrl.cli.main import main
+
+    args = ["train", f"model.path={model_dir}", f"data.path={prompts}", f"trainer.output_dir={out}",
+            f"trainer.max_steps={steps}", "rollout.height=32", "rollout.width=32", "rollout.num_steps=2", "rollout.n=2",
+            "rollout.sde_window_size=1", "rollout.sde_window_range=[0,1]", "data.prompts_per_step=2",
+            "rollout.batch_size=4", "model.max_sequence_length=16", "trainer.eval_every=0", "trainer.save_every=0",
+            "trainer.progress=false", "trainer.tensorboard=false", "reward=mix", f"reward.mix={mix}"]
+    assert main(args) == 0
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_optional_ocr_failing_in_a_run_is_counted(tiny_sd3_dir, shape_prompts_file, tmp_path):
+    """The shape prompts have no quoted text: an optional OCR component fails on every sample, is counted,
+    and the reward is the renormalised JPEG component; marked required, the same run stops naming it."""
+    rows = _train(tiny_sd3_dir, shape_prompts_file, tmp_path / "opt",
+                  "{ocr: {weight: 0.5, required: false}, jpeg_compressibility: 0.5}", steps=1)
+    assert rows[0]["reward/ocr/failed"] == 1.0 and rows[0]["reward/jpeg_compressibility/failed"] == 0.0
+    assert "reward/ocr" not in rows[0]  # no finite OCR score to average
+    assert rows[0]["reward/mean"] == pytest.approx(rows[0]["reward/jpeg_compressibility"], rel=1e-5)
+    with pytest.raises(RuntimeError, match=r"reward\.mix component 'ocr' \(required\) failed: ValueError: ocr "
+                                           r"reward: prompt .* has no quoted target text"):
+        _train(tiny_sd3_dir, shape_prompts_file, tmp_path / "req", "{ocr: 0.5, jpeg_compressibility: 0.5}", steps=1)
+
+
 def test_latent_reward_run_never_decodes(tiny_sd3_dir, shape_prompts_file, tmp_path, monkeypatch):
     """A 2-step CLI run with a latent-only mix: the adapter's decode is never called, metrics carry the
     component; the same run with an image reward in the mix does decode."""
-    from polyrl.cli.main import main
     from polyrl.models.sd3 import SD3Adapter
 
     calls = []
@@ -231,14 +255,7 @@ def test_latent_reward_run_never_decodes(tiny_sd3_dir, shape_prompts_file, tmp_p
     _, head = _latent_head(tmp_path)
 
     def run(out, mix):
-        args = ["train", f"model.path={tiny_sd3_dir}", f"data.path={shape_prompts_file}", f"trainer.output_dir={out}",
-                "trainer.max_steps=2", "rollout.height=32", "rollout.width=32", "rollout.num_steps=2", "rollout.n=2", "rollout.sde_window_size=1",
-                "rollout.sde_window_range=[0,1]",
-                "data.prompts_per_step=2", "rollout.batch_size=4", "model.max_sequence_length=16",
-                "trainer.eval_every=0", "trainer.save_every=0", "trainer.progress=false", "trainer.tensorboard=false",
-                "reward=mix", f"reward.mix={mix}"]
-        assert main(args) == 0
-        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return _train(tiny_sd3_dir, shape_prompts_file, out, mix)
 
     rows = run(tmp_path / "latent", f"{{latent_predictor: {{weight: 1.0, path: '{head}'}}}}")
     assert calls == []
