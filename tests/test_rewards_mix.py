@@ -127,6 +127,9 @@ def test_config_accepts_mix_and_validates_components():
         load_config(["reward=mix", "reward.mix={mean: {reward: shapes, weight: 1}}"])
     with pytest.raises(ConfigError, match=r"reward\.mix\.shapes\.required='yes' must be true or false"):
         load_config(["reward=mix", "reward.mix={shapes: {weight: 1, required: 'yes'}}"])
+    with pytest.raises(ConfigError, match=r"unknown key reward\.mix\.ocr; .*\+reward\.mix\.<reward>=<weight>"):
+        load_config(["reward=mix", "reward.mix.ocr=0.5"])  # Hydra needs + to add a key
+    assert load_config(["reward=mix", "+reward.mix.ocr=0.5"]).reward.mix.ocr == 0.5
 
 
 # ----------------------------------------------------------------------------------------- media kinds

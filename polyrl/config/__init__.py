@@ -37,6 +37,11 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 
 def _allowed_under(parent: str | None, overrides: list[str]) -> str:
     """The keys allowed under `parent`: schema fields, or the selected class's arguments for open groups."""
+    if parent == "reward.mix":
+        return ("any registered reward as a component; a new one needs a leading + (+reward.mix.<reward>=<weight>), "
+                "or set them all: reward.mix={ocr: 0.7, pickscore: 0.3}")
+    if parent is not None and parent.startswith("reward.mix."):
+        return "weight, required, reward and the component reward's own arguments (a new key needs a leading +)"
     if parent in ("reward", "algorithm"):
         from ..algorithms import ALGORITHMS
         from ..rewards import REWARDS
