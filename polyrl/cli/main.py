@@ -4,6 +4,7 @@
     polyrl config [overrides...]           print the resolved config
     polyrl sample checkpoint=DIR [n=16] [out=PATH] [overrides...]   render a grid from a checkpoint
     polyrl pretrain-toy [--out DIR] ...    re-train the embedded toy base model
+    polyrl bench [--tiny] [--epochs 2] [overrides...]   the BENCHMARK.md workload, timed per stage
     polyrl serve-reward reward=NAME [reward.k=v ...] [--host H] [--port N] [--token T]   a reward over HTTP
 """
 
@@ -100,13 +101,19 @@ def cmd_pretrain_toy(args: list[str]) -> int:
     return 0
 
 
+def cmd_bench(args: list[str]) -> int:
+    from ..perf.bench import main as bench_main
+
+    return bench_main(args)
+
+
 def cmd_serve_reward(args: list[str]) -> int:
     from ..serving.cli import main as serve_main
 
     return serve_main(args)
 
 
-COMMANDS = {"serve-reward": cmd_serve_reward, "train": cmd_train, "config": cmd_config, "sample": cmd_sample, "pretrain-toy": cmd_pretrain_toy}
+COMMANDS = {"serve-reward": cmd_serve_reward, "bench": cmd_bench, "train": cmd_train, "config": cmd_config, "sample": cmd_sample, "pretrain-toy": cmd_pretrain_toy}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ class ModelConfig:
     path: str = MISSING
     dtype: str = "float32"
     max_sequence_length: int = 256
-    compile: bool = False  # torch.compile the transformer (after LoRA is added)
+    compile: str = "none"  # torch.compile the transformer after LoRA is added: none | blocks (each block) | full
 
 
 @dataclass
@@ -164,6 +164,7 @@ def validate(raw: DictConfig) -> DictConfig:
 
     _check_choice("model.name", cfg.model.name, sorted(MODELS))
     _check_choice("model.dtype", cfg.model.dtype, DTYPES)
+    _check_choice("model.compile", cfg.model.compile, ("none", "blocks", "full"))
     _check_choice("trainer.device", cfg.trainer.device, DEVICES)
     _check_kwargs("algorithm", OmegaConf.to_container(cfg.algorithm), ALGORITHMS)
     reward_cfg = OmegaConf.to_container(cfg.reward)

@@ -136,9 +136,9 @@ class QwenImageAdapter:
     def encode_prompts(self, prompts: list[str]) -> Cond:
         """Text conditioning, cached per prompt (the text encoder is frozen): `prompt_embeds` (B, L, D) float32
         right-padded to the longest prompt of the call, `prompt_mask` (B, L) bool."""
-        missing = sorted({p for p in prompts if p not in self._cache})
-        if missing:
-            for p, e in zip(missing, self._encode_uncached(missing), strict=True):
+        # one prompt per encoder call, so an embedding does not depend on the batch it arrived in (exact resume)
+        for p in sorted({p for p in prompts if p not in self._cache}):
+            for e in self._encode_uncached([p]):
                 if e.shape[0] == 0:
                     raise ValueError(f"prompt {p!r} encodes to no tokens after the template's first {TEMPLATE_DROP}")
                 self._cache[p] = e

@@ -67,7 +67,10 @@ class TinySD3Spec:
     shift: float = 3.0
     dual_attention_layers: tuple[int, ...] = ()
     qk_norm: str | None = None
-    extra: dict = field(default_factory=dict)
+    sample_size: int | None = None  # transformer config value; None: the latent size
+    pos_embed_max_size: int | None = None  # None: twice the latent patch grid
+    vae_scaling_factor: float = 1.0
+    vae_shift_factor: float = 0.0
 
     @property
     def vae_factor(self) -> int:
@@ -83,8 +86,14 @@ class TinySD3Spec:
         return ("clip_l" in self.text_encoders) * self.clip_l_proj + ("clip_g" in self.text_encoders) * self.clip_g_proj
 
 
-def build_tiny_sd3(spec: TinySD3Spec, seed: int = 0) -> StableDiffusion3Pipeline:
+def build_tiny_sd3(spec: TinySD3Spec, seed: int = 0, device: str = "cpu") -> StableDiffusion3Pipeline:
+    """The pipeline with random weights; `device="cuda"` initialises billion-parameter sizes in seconds."""
     torch.manual_seed(seed)
+    with torch.device(device):
+        return _build_tiny_sd3(spec)
+
+
+def _build_tiny_sd3(spec: TinySD3Spec) -> StableDiffusion3Pipeline:
     if not any(t in spec.text_encoders for t in ("clip_l", "clip_g")):
         raise ValueError("an SD3 pipeline needs at least one CLIP text encoder for the pooled embedding")
     parts: dict = {}
@@ -112,11 +121,11 @@ def build_tiny_sd3(spec: TinySD3Spec, seed: int = 0) -> StableDiffusion3Pipeline
         parts["text_encoder_3"], parts["tokenizer_3"] = None, None
     latent_size = spec.image_size // spec.vae_factor
     transformer = SD3Transformer2DModel(
-        sample_size=latent_size, patch_size=spec.patch_size, in_channels=spec.latent_channels,
+        sample_size=spec.sample_size or latent_size, patch_size=spec.patch_size, in_channels=spec.latent_channels,
         num_layers=spec.num_layers, attention_head_dim=spec.head_dim, num_attention_heads=spec.heads,
         joint_attention_dim=spec.joint_attention_dim, caption_projection_dim=spec.heads * spec.head_dim,
         pooled_projection_dim=spec.pooled_dim, out_channels=spec.latent_channels,
-        pos_embed_max_size=max(latent_size // spec.patch_size, 2) * 2,
+        pos_embed_max_size=spec.pos_embed_max_size or max(latent_size // spec.patch_size, 2) * 2,
         dual_attention_layers=tuple(spec.dual_attention_layers), qk_norm=spec.qk_norm,
     )
     n = len(spec.vae_channels)
@@ -125,14 +134,16 @@ def build_tiny_sd3(spec: TinySD3Spec, seed: int = 0) -> StableDiffusion3Pipeline
         up_block_types=("UpDecoderBlock2D",) * n, block_out_channels=tuple(spec.vae_channels),
         layers_per_block=spec.vae_layers, latent_channels=spec.latent_channels,
         norm_num_groups=spec.vae_norm_groups, mid_block_add_attention=spec.vae_mid_attention,
-        sample_size=spec.image_size, scaling_factor=1.0, shift_factor=0.0,
+        sample_size=spec.image_size, scaling_factor=spec.vae_scaling_factor, shift_factor=spec.vae_shift_factor,
     )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=spec.shift)
     return StableDiffusion3Pipeline(transformer=transformer, scheduler=scheduler, vae=vae, **parts)
 
 
-def save_tiny_sd3(spec: TinySD3Spec, path: str | Path, seed: int = 0) -> Path:
-    pipe = build_tiny_sd3(spec, seed)
+def save_tiny_sd3(spec: TinySD3Spec, path: str | Path, seed: int = 0, device: str = "cpu",
+                  transformer_dtype: torch.dtype = torch.float32) -> Path:
+    pipe = build_tiny_sd3(spec, seed, device)
+    pipe.transformer.to(transformer_dtype)
     pipe.save_pretrained(str(path))
     return Path(path)
 

@@ -1,0 +1,199 @@
+"""`polyrl bench`: the BENCHMARK.md workload through the normal training path, timed per stage.
+
+It builds the random-weight SD3.5-medium pipeline (or a tiny one with `--tiny`, which runs on a CPU) with
+`save_pretrained`, loads it back through the adapter's `from_pretrained` path, trains recipe
+`sd35m_flowgrpo_bench` for `--warmup + --epochs` epochs, and reports the median of the measured epochs:
+images/s, seconds per stage, MFU against the matmul rate measured on the same device, peak memory, versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ADJECTIVES = ["red", "tall", "old", "shiny", "small", "wooden", "happy", "giant"]
+OBJECTS = ["robot", "cat", "tree", "lighthouse", "teapot", "dragon", "bicycle", "snowman"]
+STAGES = ["text_encode", "rollout", "decode", "reward", "old_logprob", "train", "weight_sync"]
+
+
+def bench_prompts(count: int) -> list[str]:
+    """BENCHMARK.md's synthetic prompts: `a {adjective} {object} holding a sign that says "{i}"`."""
+    return [f'a {ADJECTIVES[i % 8]} {OBJECTS[(i // 8) % 8]} holding a sign that says "{i}"' for i in range(count)]
+
+
+def sd35_medium_spec(words: list[str]):
+    """SD3.5-medium transformer and VAE at their published sizes, small CLIP/T5 stand-ins (BENCHMARK.md)."""
+    from ..models.tiny import TinySD3Spec
+
+    return TinySD3Spec(
+        words=words, clip_hidden=64, clip_layers=1, clip_l_proj=768, clip_g_proj=1280, clip_max_length=77,
+        t5_d_model=4096, t5_layers=1, t5_max_length=128, num_layers=24, heads=24, head_dim=64, latent_channels=16,
+        image_size=512, sample_size=128, pos_embed_max_size=384, vae_channels=(128, 256, 512, 512), vae_layers=2,
+        vae_norm_groups=32, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm", shift=3.0,
+        vae_scaling_factor=1.5305, vae_shift_factor=0.0609,
+    )
+
+
+def tiny_spec(words: list[str]):
+    from ..models.tiny import TinySD3Spec
+
+    return TinySD3Spec(words=words, latent_channels=16, image_size=64, vae_channels=(16, 32, 32, 32),
+                       dual_attention_layers=(0,), qk_norm="rms_norm", t5_max_length=16)
+
+
+def build_pipeline(directory: Path, tiny: bool, device: str, workload: str = "sd35m") -> Path:
+    from ..models.tiny import save_tiny_qwen_image, save_tiny_sd3
+
+    if (directory / "model_index.json").is_file():
+        return directory
+    words = sorted({w for p in bench_prompts(64) for w in p.replace('"', ' " ').split()})
+    tmp = directory.with_name(directory.name + ".tmp")
+    if workload == "qwen_image":
+        from ..models.tiny import TinyQwenImageSpec, qwen_image_bench_spec
+
+        spec = TinyQwenImageSpec(words=words, image_size=64) if tiny else qwen_image_bench_spec(words)
+        save_tiny_qwen_image(spec, tmp, device=device, dtype=torch.float32 if tiny else torch.bfloat16)
+    else:
+        spec = tiny_spec(words) if tiny else sd35_medium_spec(words)
+        save_tiny_sd3(spec, tmp, device=device, transformer_dtype=torch.float32 if tiny else torch.bfloat16)
+    tmp.rename(directory)
+    return directory
+
+
+def measure_matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float | None:
+    """Dense bf16 matmul rate on random data (the MFU denominator, ALGORITHMS.md §6); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def versions() -> dict:
+    import diffusers
+    import peft
+    import transformers
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
+           "transformers": transformers.__version__, "peft": peft.__version__}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.version.cuda
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
+def summarize(history: list[dict], warmup: int, images_per_epoch: int) -> dict:
+    measured = [m for m in history if m.get("step", 0) > warmup and "time/step" in m]
+    if not measured:
+        raise ValueError("no measured epochs: use --epochs >= 1")
+    med = lambda key: statistics.median(m.get(key, 0.0) for m in measured)
+    step_s = med("time/step")
+    out = {"epochs_measured": len(measured), "seconds_per_epoch": step_s, "images_per_epoch": images_per_epoch,
+           "images_per_s": images_per_epoch / step_s, "stages_s": {s: med(f"time/{s}") for s in STAGES},
+           "model_tflop_per_epoch": med("perf/tflops"), "achieved_tflop_per_s": med("perf/achieved_tflops_per_s")}
+    if all("perf/mfu" in m for m in measured):
+        out["mfu"] = med("perf/mfu")
+    return out
+
+
+def table(result: dict) -> str:
+    s = result["summary"]
+    rows = [("images/s", f"{s['images_per_s']:.3f}"), ("s/epoch", f"{s['seconds_per_epoch']:.2f}")]
+    rows += [(f"  {k} s", f"{v:.2f}") for k, v in s["stages_s"].items()]
+    rows += [("model TFLOP/epoch", f"{s['model_tflop_per_epoch']:.4g}"),
+             ("achieved TFLOP/s", f"{s['achieved_tflop_per_s']:.4g}")]
+    if "mfu" in s:
+        rows.append(("MFU", f"{100 * s['mfu']:.1f}% of {result['peak_tflops']:.0f} TFLOP/s"))
+    if result.get("peak_memory_gib") is not None:
+        rows.append(("peak GPU memory", f"{result['peak_memory_gib']:.1f} GiB"))
+    rows.append(("precision", result["precision"]))
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"| {k.ljust(width)} | {v} |" for k, v in rows)
+
+
+WORKLOADS = {  # name -> (recipe, extra overrides at full size)
+    "sd35m": ("sd35m_flowgrpo_bench", []),
+    # BENCHMARK.md second workload; 4 prompts x 16 images per step keeps one step inside a short device call
+    # (images/s does not depend on the number of prompts at a fixed per-call batch)
+    "qwen_image": ("qwen_image_flowgrpo", ["data.prompts_per_step=4", "trainer.eval_every=0", "trainer.save_every=0",
+                                           "trainer.tensorboard=false"]),
+}
+
+
+def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[str], model_dir: Path | None = None,
+              workload: str = "sd35m") -> dict:
+    from ..config import load_config
+    from ..trainer.loop import Trainer, pick_device
+
+    out.mkdir(parents=True, exist_ok=True)
+    device = pick_device("cpu" if tiny and not torch.cuda.is_available() else "auto")
+    t0 = time.perf_counter()
+    model_dir = build_pipeline(model_dir or out / f"{workload}_{'tiny' if tiny else 'random'}", tiny, device.type, workload)
+    build_s = time.perf_counter() - t0
+    prompts = out / "prompts.txt"
+    prompts.write_text("\n".join(bench_prompts(64)) + "\n")
+    peak = measure_matmul_tflops(device)
+    recipe, extra = WORKLOADS[workload]
+    base = [f"recipe={recipe}", *extra, f"model.path={model_dir}", f"data.path={prompts}",
+            f"trainer.output_dir={out / 'run'}", f"trainer.max_steps={warmup + epochs}", f"trainer.device={device.type}"]
+    if tiny:
+        base += ["rollout.height=64", "rollout.width=64", "rollout.n=4", "data.prompts_per_step=2",
+                 "model.dtype=float32", "model.compile=none", "model.max_sequence_length=16", "actor.micro_batch_size=4"]
+    if peak:
+        base.append(f"trainer.peak_tflops={peak}")
+    run_dir = out / "run"
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    cfg = load_config(base + list(overrides))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    trainer = Trainer(cfg)
+    history = trainer.fit()
+    images = cfg.data.prompts_per_step * cfg.rollout.n
+    result = {
+        "workload": recipe + (" (tiny)" if tiny else ""),
+        "date": time.strftime("%Y-%m-%d"), "device": versions().get("gpu", platform.processor() or "cpu"),
+        "versions": versions(), "overrides": list(overrides), "build_pipeline_s": build_s,
+        "precision": f"transformer {cfg.model.dtype} (autocast), LoRA master weights float32, step math float32, "
+                     f"VAE weights float32 (decode autocast to the network dtype), compile={cfg.model.compile}",
+        "peak_tflops": cfg.trainer.peak_tflops, "summary": summarize(history, warmup, images),
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "history": history,
+    }
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    (out / "bench.md").write_text(table(result) + "\n")
+    return result
+
+
+def main(args: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="polyrl bench", description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="a tiny pipeline at 64x64 (runs on a CPU in seconds)")
+    p.add_argument("--epochs", type=int, default=2, help="measured epochs (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--out", default="runs/bench")
+    p.add_argument("--model-dir", default=None, help="reuse (or create) the random pipeline here")
+    p.add_argument("--workload", default="sd35m", choices=sorted(WORKLOADS))
+    a, overrides = p.parse_known_args(args)
+    result = run_bench(Path(a.out), a.tiny, a.epochs, a.warmup, overrides, Path(a.model_dir) if a.model_dir else None,
+                       a.workload)
+    print(table(result))
+    print(f"polyrl: wrote {Path(a.out) / 'bench.json'}", file=sys.stderr)
+    return 0

@@ -1,0 +1,91 @@
+"""Transformer-only timings of the BENCHMARK.md shape on a GPU: forward (no grad) and LoRA training passes,
+eager vs compiled, per attention backend and batch. Prints one line per variant: ms, model TFLOP/s, MFU.
+
+    python scripts/gpu_microbench.py PIPELINE_DIR [--peak TFLOPS] [--variants eager,blocks,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from diffusers import SD3Transformer2DModel
+
+from polyrl.actor.local import add_lora
+from polyrl.models.sd3 import SD3_LORA_TARGETS
+from polyrl.perf.compile import compile_transformer
+from polyrl.perf.flops import sd3_forward_flops
+
+
+def timed(fn, reps=8, warmup=2):
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        out.append(s.elapsed_time(e))
+    return statistics.median(out)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("pipeline")
+    p.add_argument("--peak", type=float, default=790.0)
+    p.add_argument("--variants", default="eager,eager-cudnn,blocks,blocks-b32,full")
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    for variant in a.variants.split(","):
+        torch.manual_seed(0)
+        model = SD3Transformer2DModel.from_pretrained(a.pipeline, subfolder="transformer", torch_dtype=torch.bfloat16).to(dev)
+        add_lora(model, 32, 64, SD3_LORA_TARGETS)
+        for prm in model.parameters():
+            if prm.requires_grad:
+                prm.data = prm.data.float()
+        b = 32 if "b32" in variant else 16
+        x = torch.randn(b, 16, 64, 64, device=dev)
+        ctx = torch.randn(b, 205, 4096, device=dev)
+        pooled = torch.randn(b, 2048, device=dev)
+        t = torch.rand(b, device=dev) * 1000
+        flops = sd3_forward_flops(model.config, 1024, 205) * b
+        backend = None
+        if "cudnn" in variant:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            backend = sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
+        t0 = time.perf_counter()
+        compile_transformer(model, "full" if variant.startswith("full") else "blocks" if variant.startswith("blocks") else "none")
+
+        def fwd():
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                return model(hidden_states=x.bfloat16(), timestep=t, encoder_hidden_states=ctx.bfloat16(),
+                             pooled_projections=pooled.bfloat16(), return_dict=False)[0]
+
+        def train():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(hidden_states=x.bfloat16(), timestep=t, encoder_hidden_states=ctx.bfloat16(),
+                            pooled_projections=pooled.bfloat16(), return_dict=False)[0]
+            out.float().square().mean().backward()
+
+        import contextlib
+        with backend or contextlib.nullcontext():
+            fwd(); torch.cuda.synchronize()
+            train(); torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            f_ms = timed(fwd)
+            t_ms = timed(train)
+        mem = torch.cuda.max_memory_allocated() / 2**30
+        print(f"{variant:14s} batch {b:3d} | fwd {f_ms:7.1f} ms {flops / f_ms / 1e9:6.0f} TFLOP/s {100 * flops / f_ms / 1e9 / a.peak:5.1f}% "
+              f"| train {t_ms:7.1f} ms {3 * flops / t_ms / 1e9:6.0f} TFLOP/s {100 * 3 * flops / t_ms / 1e9 / a.peak:5.1f}% "
+              f"| first call (incl. compile) {first:6.1f} s | peak {mem:5.1f} GiB", flush=True)
+        del model
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""`polyrl bench --tiny`: the benchmark path runs end to end on a CPU and its FLOP count is the analytic one."""
+
+import json
+import math
+
+import pytest
+from diffusers import SD3Transformer2DModel
+
+from polyrl.cli.main import main
+from polyrl.perf.compile import repeated_blocks
+from polyrl.perf.flops import epoch_flops, sd3_forward_flops
+
+
+def test_bench_tiny_reports_every_stage_and_the_analytic_flops(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["bench", "--tiny", "--out", str(out), "--epochs", "1", "--warmup", "1", "trainer.progress=false"]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    s = result["summary"]
+    assert s["epochs_measured"] == 1 and s["images_per_epoch"] == 8
+    assert s["images_per_s"] == pytest.approx(8 / s["seconds_per_epoch"])
+    assert set(s["stages_s"]) == {"text_encode", "rollout", "decode", "reward", "old_logprob", "train", "weight_sync"}
+    assert "mfu" not in s  # no GPU: no measured peak, no MFU
+    # every transformer call was counted: 10 CFG sampling steps + 9 trained CFG steps (3x) with a KL forward (1x)
+    model = SD3Transformer2DModel.from_pretrained(str(out / "sd35m_tiny"), subfolder="transformer")
+    text_tokens = 16 + 16  # CLIP (16 in the tiny spec) + T5 (model.max_sequence_length=16)
+    per_sample = sd3_forward_flops(model.config, (64 // 8 // 2) ** 2, text_tokens)
+    expected = epoch_flops(per_sample, 8, 10, 9, cfg=True, reference_forward=True)
+    assert s["model_tflop_per_epoch"] * 1e12 == pytest.approx(expected, rel=1e-9)
+    assert "images/s" in (out / "bench.md").read_text()
+    assert all(math.isfinite(m["reward/mean"]) for m in result["history"])
+
+
+def test_regional_compile_finds_the_transformer_blocks():
+    model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=8,
+                                  num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
+                                  pooled_projection_dim=8, out_channels=4, pos_embed_max_size=8)
+    blocks = repeated_blocks(model)
+    assert [type(b).__name__ for b in blocks] == ["JointTransformerBlock"] * 3
