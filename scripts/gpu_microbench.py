@@ -7,6 +7,7 @@ eager vs compiled, per attention backend and batch. Prints one line per variant:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -39,53 +40,52 @@ def main():
     p.add_argument("--peak", type=float, default=790.0)
     p.add_argument("--variants", default="eager,eager-cudnn,blocks,blocks-b32,full")
     a = p.parse_args()
-    dev = torch.device("cuda")
     for variant in a.variants.split(","):
-        torch.manual_seed(0)
-        model = SD3Transformer2DModel.from_pretrained(a.pipeline, subfolder="transformer", torch_dtype=torch.bfloat16).to(dev)
-        add_lora(model, 32, 64, SD3_LORA_TARGETS)
-        for prm in model.parameters():
-            if prm.requires_grad:
-                prm.data = prm.data.float()
-        b = 32 if "b32" in variant else 16
-        x = torch.randn(b, 16, 64, 64, device=dev)
-        ctx = torch.randn(b, 205, 4096, device=dev)
-        pooled = torch.randn(b, 2048, device=dev)
-        t = torch.rand(b, device=dev) * 1000
-        flops = sd3_forward_flops(model.config, 1024, 205) * b
-        backend = None
-        if "cudnn" in variant:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            backend = sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
-        t0 = time.perf_counter()
-        compile_transformer(model, "full" if variant.startswith("full") else "blocks" if variant.startswith("blocks") else "none")
-
-        def fwd():
-            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-                return model(hidden_states=x.bfloat16(), timestep=t, encoder_hidden_states=ctx.bfloat16(),
-                             pooled_projections=pooled.bfloat16(), return_dict=False)[0]
-
-        def train():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = model(hidden_states=x.bfloat16(), timestep=t, encoder_hidden_states=ctx.bfloat16(),
-                            pooled_projections=pooled.bfloat16(), return_dict=False)[0]
-            out.float().square().mean().backward()
-
-        import contextlib
-        with backend or contextlib.nullcontext():
-            fwd(); torch.cuda.synchronize()
-            train(); torch.cuda.synchronize()
-            first = time.perf_counter() - t0
-            f_ms = timed(fwd)
-            t_ms = timed(train)
-        mem = torch.cuda.max_memory_allocated() / 2**30
-        print(f"{variant:14s} batch {b:3d} | fwd {f_ms:7.1f} ms {flops / f_ms / 1e9:6.0f} TFLOP/s {100 * flops / f_ms / 1e9 / a.peak:5.1f}% "
-              f"| train {t_ms:7.1f} ms {3 * flops / t_ms / 1e9:6.0f} TFLOP/s {100 * 3 * flops / t_ms / 1e9 / a.peak:5.1f}% "
-              f"| first call (incl. compile) {first:6.1f} s | peak {mem:5.1f} GiB", flush=True)
-        del model
+        run_variant(a.pipeline, variant, a.peak)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
+
+def run_variant(pipeline: str, variant: str, peak: float) -> None:
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel.from_pretrained(pipeline, subfolder="transformer", torch_dtype=torch.bfloat16).to(dev)
+    add_lora(model, 32, 64, SD3_LORA_TARGETS)
+    for prm in model.parameters():
+        if prm.requires_grad:
+            prm.data = prm.data.float()
+    b = 32 if "b32" in variant else 16
+    inputs = dict(hidden_states=torch.randn(b, 16, 64, 64, device=dev).bfloat16(), timestep=torch.rand(b, device=dev) * 1000,
+                  encoder_hidden_states=torch.randn(b, 205, 4096, device=dev).bfloat16(),
+                  pooled_projections=torch.randn(b, 2048, device=dev).bfloat16(), return_dict=False)
+    flops = sd3_forward_flops(model.config, 1024, 205) * b
+    backend = contextlib.nullcontext()
+    if "cudnn" in variant:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
+    t0 = time.perf_counter()
+    compile_transformer(model, "full" if variant.startswith("full") else "blocks" if variant.startswith("blocks") else "none")
+
+    def fwd():
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(**inputs)[0]
+
+    def train():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(**inputs)[0]
+        out.float().square().mean().backward()
+
+    with backend:
+        fwd()
+        train()
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        f_ms, t_ms = timed(fwd), timed(train)
+    mem = torch.cuda.max_memory_allocated() / 2**30
+    print(f"{variant:14s} batch {b:3d} | fwd {f_ms:7.1f} ms {flops / f_ms / 1e9:6.0f} TFLOP/s {100 * flops / f_ms / 1e9 / peak:5.1f}% "
+          f"| train {t_ms:7.1f} ms {3 * flops / t_ms / 1e9:6.0f} TFLOP/s {100 * 3 * flops / t_ms / 1e9 / peak:5.1f}% "
+          f"| first call (incl. compile) {first:6.1f} s | peak {mem:5.1f} GiB", flush=True)
 
 if __name__ == "__main__":
     main()
