@@ -64,36 +64,38 @@ def window_starts(plan: SamplingPlan, batch: int, generator: torch.Generator, st
 @torch.no_grad()
 def sample_latents(
     adapter: GeneratorAdapter, cond: Cond, neg: Cond | None, noise: torch.Tensor, plan: SamplingPlan,
-    starts: torch.Tensor, generator: torch.Generator,
+    starts: torch.Tensor, step_noise: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run the sampler; returns (window latents, log-probs, sigmas, noise levels, final latent, window means)."""
+    """Run the sampler from `noise` with the per-step draws `step_noise` (B, N, ...); returns (window latents,
+    log-probs, sigmas, noise levels, final latent, window means). Results stay on the device until the end, so the
+    loop never waits for a device-to-host copy."""
     sigmas = adapter.sigmas(plan.num_steps, plan.height, plan.width)
     sigma_1 = float(sigmas[1])
     b, w = noise.shape[0], plan.trained_steps
     device = noise.device
     x = noise.float()
     step_fn = STEPS[plan.step]
-    states, log_probs, levels, means = [x.cpu()], [], [], []
+    states, log_probs, levels, means = [x], [], [], []
     for j in range(plan.num_steps):
         in_window = ((j >= starts) & (j < starts + w)).float().to(device)
         level = plan.noise_level * in_window
         sigma = sigmas[j].to(device).expand(b)
         v = adapter.velocity(x, sigma, cond, neg, plan.guidance_scale)
-        z = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(device)
+        z = step_noise[:, j].to(device, non_blocking=True)
         out = step_fn(x, v, sigma, sigmas[j + 1].to(device).expand(b), level, sigma_1, noise=z)
         x = out.sample
-        states.append(x.cpu())
-        means.append(out.mean.cpu())
-        log_probs.append(out.log_prob.cpu())
-        levels.append(level.cpu())
-    states_t = torch.stack(states, 1)  # (B, N+1, ...)
-    lp_t, lv_t = torch.stack(log_probs, 1), torch.stack(levels, 1)  # (B, N)
+        states.append(x)
+        means.append(out.mean)
+        log_probs.append(out.log_prob)
+        levels.append(level)
+    states_t = torch.stack(states, 1).cpu()  # (B, N+1, ...)
+    lp_t, lv_t = torch.stack(log_probs, 1).cpu(), torch.stack(levels, 1).cpu()  # (B, N)
     pos = starts.view(-1, 1) + torch.arange(w + 1).view(1, -1)  # (B, W+1)
     win_latents = states_t[torch.arange(b).view(-1, 1), pos]
     win_sigmas = sigmas[pos]
     win_lp = torch.gather(lp_t, 1, pos[:, :w])
     win_levels = torch.gather(lv_t, 1, pos[:, :w])
-    win_means = torch.stack(means, 1)[torch.arange(b).view(-1, 1), pos[:, :w]]
+    win_means = torch.stack(means, 1).cpu()[torch.arange(b).view(-1, 1), pos[:, :w]]
     return win_latents, win_lp, win_sigmas, win_levels, x.cpu(), win_means
 
 
@@ -125,12 +127,14 @@ def rollout(
     elif initial_noise is None:
         initial_noise = torch.cat([adapter.initial_noise(1, plan.height, plan.width, generator) for _ in range(b)])
     starts = window_starts(plan, b, generator, step)
+    # every sample's step noise is drawn up front, so `plan.batch_size` (a memory/speed knob) changes no number
+    step_noise = torch.randn((b, plan.num_steps, *initial_noise.shape[1:]), generator=generator, dtype=torch.float32)
     parts = []
     for i in range(0, b, plan.batch_size):
         sl = slice(i, min(b, i + plan.batch_size))
         c = {k: v[sl] for k, v in cond.items()}
         n = None if neg is None else {k: v.expand(sl.stop - sl.start, *v.shape[1:]) for k, v in neg.items()}
-        parts.append(sample_latents(adapter, c, n, initial_noise[sl].to(device), plan, starts[sl], generator))
+        parts.append(sample_latents(adapter, c, n, initial_noise[sl].to(device), plan, starts[sl], step_noise[sl]))
         if on_chunk is not None:
             on_chunk(sl, parts[-1][4])  # the chunk's clean latents (sample_latents' 5th output)
     latents, log_probs, sigmas, levels, final, means = (torch.cat(t) for t in zip(*parts, strict=False))

@@ -1,0 +1,71 @@
+"""Performance knobs change no result: sampling/training batch sizes and regional compilation (issue 5 item 4).
+
+Tolerances: batch sizes only regroup float32 matmuls (rounding, ≤ 1e-5 relative on log-probs and losses);
+compiled vs eager float32 graphs fuse elementwise ops (≤ 1e-5 relative on the velocity)."""
+
+import json
+
+import pytest
+import torch
+
+from polyrl.cli.main import main
+from polyrl.perf.compile import compile_transformer
+
+from test_cli_train import _common  # noqa: E402  (tests are a rootdir of modules)
+
+
+class MeanBrightness:
+    """A smooth reward (JPEG sizes jump by whole bytes on a rounding-level change of the image)."""
+
+    def __init__(self, **unused):  # takes (and ignores) the jpeg reward group's keys the test command selects
+        pass
+
+    def __call__(self, images, prompts, metadata):
+        from polyrl.rewards import RewardOutput
+
+        return RewardOutput(images.mean(dim=(1, 2, 3)))
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_batch_sizes_change_no_number(tiny_sd3_dir, shape_prompts_file, tmp_path):
+    from polyrl.rewards import REWARDS
+
+    REWARDS.setdefault("test_mean_brightness", MeanBrightness)
+    extra = ["trainer.eval_every=0", "trainer.save_every=0", "algorithm.kl_beta=0.04", "trainer.deterministic=true",
+             "reward.name=test_mean_brightness"]
+    big, small = tmp_path / "big", tmp_path / "small"
+    assert main(_common(tiny_sd3_dir, shape_prompts_file, big, 2, extra + ["rollout.batch_size=4"])) == 0
+    assert main(_common(tiny_sd3_dir, shape_prompts_file, small, 2,
+                        extra + ["rollout.batch_size=1", "actor.micro_batch_size=1"])) == 0
+    for a, b in zip(_rows(big), _rows(small), strict=True):
+        assert a["reward/mean"] == pytest.approx(b["reward/mean"], rel=1e-5)
+        for key in ("ratio_mean", "kl", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-9), key
+        # loss ≈ −mean(A)·ρ + β·KL with mean(A) = 0: a sum that cancels, so its tolerance is absolute
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-7)
+
+
+def test_regional_compile_matches_eager(tiny_sd3_dir):
+    from omegaconf import OmegaConf
+
+    from polyrl.actor.local import add_lora
+    from polyrl.models import build_model
+
+    cfg = OmegaConf.create({"name": "sd3", "path": str(tiny_sd3_dir), "dtype": "float32", "max_sequence_length": 16})
+    adapter = build_model(cfg, torch.device("cpu"))
+    add_lora(adapter.transformer, 4, 4, adapter.default_lora_targets)
+    for name, p in adapter.transformer.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)  # non-zero LoRA, so the adapter path is exercised
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, 16, 16, generator=g)  # tiny pipeline: 4 latent channels, 32x32 images
+    sigma = torch.tensor([0.9, 0.5, 0.2])
+    cond = adapter.encode_prompts(["a green triangle", "three yellow squares", "a blue circle"])
+    neg = {k: v.expand(3, *v.shape[1:]) for k, v in adapter.encode_prompts([""]).items()}
+    eager = adapter.velocity(x, sigma, cond, neg, 3.0)
+    compile_transformer(adapter.transformer, "blocks")
+    compiled = adapter.velocity(x, sigma, cond, neg, 3.0)
+    assert torch.linalg.vector_norm(compiled - eager) / torch.linalg.vector_norm(eager) < 1e-5
