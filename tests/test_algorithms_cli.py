@@ -152,3 +152,14 @@ def test_nft_resume_matches_uninterrupted_run(tiny_sd3_dir, shape_prompts_file, 
         wa = load_file(str(full / "checkpoints" / "step_000003" / name))
         wb = load_file(str(split / "checkpoints" / "step_000003" / name))
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_bypass_rejection_masks_steps_outside_tight_bounds(tiny_sd3_dir, shape_prompts_file, tmp_path):
+    """After the first optimizer step the current policy differs from the rollout's: with bounds of ±1e-9 on the
+    log-ratio the second mini-batch's sample-steps are all rejected (weight 0); the first mini-batch runs the
+    rollout's weights (log-ratio 0 on the CPU) and keeps all of its steps: masked fraction exactly 1/2."""
+    out = tmp_path / "run"
+    extra = ["rollout_correction.log_ratio_bounds=[-1e-9,1e-9]", "actor.num_minibatches=2", "actor.lr=1e-2"]
+    assert main(_args(tiny_sd3_dir, shape_prompts_file, out, 1, extra)) == 0
+    row = _metrics(out)[0]
+    assert row["correction/masked_frac"] == 0.5
