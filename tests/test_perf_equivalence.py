@@ -7,11 +7,10 @@ import json
 
 import pytest
 import torch
+from test_cli_train import _common  # noqa: E402  (tests are a rootdir of modules)
 
 from polyrl.cli.main import main
 from polyrl.perf.compile import compile_transformer
-
-from test_cli_train import _common  # noqa: E402  (tests are a rootdir of modules)
 
 
 class MeanBrightness:

@@ -26,6 +26,7 @@ class ModelConfig:
     dtype: str = "float32"
     max_sequence_length: int = 256
     compile: str = "none"  # torch.compile the transformer after LoRA is added: none | blocks (each block) | full
+    fp8: bool = False  # frozen base linears as float8 matmuls (LoRA only; perf/fp8.py)
 
 
 @dataclass
@@ -165,6 +166,8 @@ def validate(raw: DictConfig) -> DictConfig:
     _check_choice("model.name", cfg.model.name, sorted(MODELS))
     _check_choice("model.dtype", cfg.model.dtype, DTYPES)
     _check_choice("model.compile", cfg.model.compile, ("none", "blocks", "full"))
+    if cfg.model.fp8 and cfg.actor.lora_rank == 0:
+        raise ConfigError("model.fp8=true quantizes the frozen base weights, so it needs LoRA (actor.lora_rank > 0)")
     _check_choice("trainer.device", cfg.trainer.device, DEVICES)
     _check_kwargs("algorithm", OmegaConf.to_container(cfg.algorithm), ALGORITHMS)
     reward_cfg = OmegaConf.to_container(cfg.reward)

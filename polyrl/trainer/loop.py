@@ -25,6 +25,7 @@ from ..data.pairs import load_pairs, pair_batch
 from ..data.prompts import PromptSampler, load_prompts, split_row
 from ..models import build_model
 from ..perf.compile import compile_transformer
+from ..perf.fp8 import apply_fp8
 from ..perf.timer import StageTimer
 from ..rewards import build_reward
 from ..rewards.stage import RewardStage, RewardUnavailable, score_batch  # noqa: F401  (score_batch: re-exported)
@@ -123,6 +124,8 @@ class Trainer:
 
         self.adapter = build_model(cfg.model, self.device)
         self.actor = LocalActor(self.adapter, cfg.actor, self.plan, self.algo, cfg.rollout_correction)
+        if cfg.model.fp8:
+            apply_fp8(self.adapter.transformer)  # after LoRA: only the frozen base layers are swapped
         compile_transformer(self.adapter.transformer, cfg.model.compile)  # after LoRA, so the graph includes it
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
