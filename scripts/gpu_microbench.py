@@ -1,7 +1,7 @@
 """Transformer-only timings of the BENCHMARK.md shape on a GPU: forward (no grad) and LoRA training passes,
 eager vs compiled, per attention backend and batch. Prints one line per variant: ms, model TFLOP/s, MFU.
 
-    python scripts/gpu_microbench.py PIPELINE_DIR [--peak TFLOPS] [--variants eager,blocks,...]
+    python scripts/gpu_microbench.py PIPELINE_DIR|random [--peak TFLOPS] [--variants eager,blocks,blocks-fp8,...]
 """
 
 from __future__ import annotations
@@ -18,6 +18,12 @@ from polyrl.actor.local import add_lora
 from polyrl.models.sd3 import SD3_LORA_TARGETS
 from polyrl.perf.compile import compile_transformer
 from polyrl.perf.flops import sd3_forward_flops
+from polyrl.perf.fp8 import apply_fp8
+
+SD35M_TRANSFORMER = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+                         num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                         pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+                         dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
 
 
 def timed(fn, reps=8, warmup=2):
@@ -49,8 +55,14 @@ def main():
 def run_variant(pipeline: str, variant: str, peak: float) -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    model = SD3Transformer2DModel.from_pretrained(pipeline, subfolder="transformer", torch_dtype=torch.bfloat16).to(dev)
+    if pipeline == "random":  # the SD3.5-medium transformer with random weights, built on the GPU (seconds)
+        with torch.device(dev):
+            model = SD3Transformer2DModel(**SD35M_TRANSFORMER).to(torch.bfloat16)
+    else:
+        model = SD3Transformer2DModel.from_pretrained(pipeline, subfolder="transformer", torch_dtype=torch.bfloat16).to(dev)
     add_lora(model, 32, 64, SD3_LORA_TARGETS)
+    if "fp8" in variant:
+        apply_fp8(model)
     for prm in model.parameters():
         if prm.requires_grad:
             prm.data = prm.data.float()

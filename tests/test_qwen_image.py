@@ -132,7 +132,7 @@ def _ode(adapter, prompts, noise, steps, guidance):
     neg = {k: v.expand(len(prompts), *v.shape[1:]) for k, v in neg.items()}
     plan = SamplingPlan(num_steps=steps, height=32, width=32, guidance_scale=guidance, noise_level=0.0)
     out = sample_latents(adapter, cond, neg, noise, plan, torch.zeros(len(prompts), dtype=torch.long),
-                         torch.randn(len(prompts), steps, *noise.shape[1:]))
+                         torch.randn(steps, len(prompts), *noise.shape[1:]))
     return out[4]  # the final latent
 
 

@@ -66,7 +66,7 @@ def sample_latents(
     adapter: GeneratorAdapter, cond: Cond, neg: Cond | None, noise: torch.Tensor, plan: SamplingPlan,
     starts: torch.Tensor, step_noise: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run the sampler from `noise` with the per-step draws `step_noise` (B, N, ...); returns (window latents,
+    """Run the sampler from `noise` with the per-step draws `step_noise` (N, B, ...); returns (window latents,
     log-probs, sigmas, noise levels, final latent, window means). Results stay on the device until the end, so the
     loop never waits for a device-to-host copy."""
     sigmas = adapter.sigmas(plan.num_steps, plan.height, plan.width)
@@ -81,7 +81,7 @@ def sample_latents(
         level = plan.noise_level * in_window
         sigma = sigmas[j].to(device).expand(b)
         v = adapter.velocity(x, sigma, cond, neg, plan.guidance_scale)
-        z = step_noise[:, j].to(device, non_blocking=True)
+        z = step_noise[j].to(device, non_blocking=True)
         out = step_fn(x, v, sigma, sigmas[j + 1].to(device).expand(b), level, sigma_1, noise=z)
         x = out.sample
         states.append(x)
@@ -127,14 +127,15 @@ def rollout(
     elif initial_noise is None:
         initial_noise = torch.cat([adapter.initial_noise(1, plan.height, plan.width, generator) for _ in range(b)])
     starts = window_starts(plan, b, generator, step)
-    # every sample's step noise is drawn up front, so `plan.batch_size` (a memory/speed knob) changes no number
-    step_noise = torch.randn((b, plan.num_steps, *initial_noise.shape[1:]), generator=generator, dtype=torch.float32)
+    # every sample's step noise is drawn up front, so `plan.batch_size` (a memory/speed knob) changes no number;
+    # step-major, so a one-chunk rollout draws exactly what drawing step by step did (the README's measured runs)
+    step_noise = torch.randn((plan.num_steps, b, *initial_noise.shape[1:]), generator=generator, dtype=torch.float32)
     parts = []
     for i in range(0, b, plan.batch_size):
         sl = slice(i, min(b, i + plan.batch_size))
         c = {k: v[sl] for k, v in cond.items()}
         n = None if neg is None else {k: v.expand(sl.stop - sl.start, *v.shape[1:]) for k, v in neg.items()}
-        parts.append(sample_latents(adapter, c, n, initial_noise[sl].to(device), plan, starts[sl], step_noise[sl]))
+        parts.append(sample_latents(adapter, c, n, initial_noise[sl].to(device), plan, starts[sl], step_noise[:, sl]))
         if on_chunk is not None:
             on_chunk(sl, parts[-1][4])  # the chunk's clean latents (sample_latents' 5th output)
     latents, log_probs, sigmas, levels, final, means = (torch.cat(t) for t in zip(*parts, strict=False))
