@@ -244,7 +244,7 @@ class LocalActor:
         terms = algo.num_terms(batch)
         order = torch.randperm(b, generator=generator)
         self.adapter.transformer.train()
-        for mb in order.chunk(min(self.cfg.num_minibatches, b)):
+        for i, mb in enumerate(order.chunk(min(self.cfg.num_minibatches, b))):
             self.optimizer.zero_grad(set_to_none=True)
             micro = self.cfg.micro_batch_size or len(mb)
             for part in mb.split(micro):
@@ -254,6 +254,10 @@ class LocalActor:
                     (loss * (len(part) / len(mb)) / terms).backward()
                     for name, value in st.items():
                         stats.setdefault(name, []).append(float(value))
+                    if i == 0 and "ratio_absdev" in st:
+                        # before any update the ratio is 1 up to rollout-vs-training kernel differences: this is
+                        # that difference, the number rollout correction exists for (§4)
+                        stats.setdefault("ratio_absdev/first_minibatch", []).append(float(st["ratio_absdev"]))
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
             if not torch.isfinite(grad_norm):
                 raise FloatingPointError(f"non-finite gradient norm {grad_norm} (loss {float(loss)})")

@@ -107,6 +107,8 @@ def summarize(history: list[dict], warmup: int, images_per_epoch: int) -> dict:
     out = {"epochs_measured": len(measured), "seconds_per_epoch": step_s, "images_per_epoch": images_per_epoch,
            "images_per_s": images_per_epoch / step_s, "stages_s": {s: med(f"time/{s}") for s in STAGES},
            "model_tflop_per_epoch": med("perf/tflops"), "achieved_tflop_per_s": med("perf/achieved_tflops_per_s")}
+    if all("ratio_absdev/first_minibatch" in m for m in measured):  # rollout vs training log-prob agreement
+        out["ratio_absdev_first_minibatch"] = max(m["ratio_absdev/first_minibatch"] for m in measured)
     if all("perf/mfu" in m for m in measured):
         out["mfu"] = med("perf/mfu")
     return out
@@ -122,6 +124,8 @@ def table(result: dict) -> str:
         rows.append(("MFU", f"{100 * s['mfu']:.1f}% of {result['peak_tflops']:.0f} TFLOP/s"))
     if result.get("peak_memory_gib") is not None:
         rows.append(("peak GPU memory", f"{result['peak_memory_gib']:.1f} GiB"))
+    if "ratio_absdev_first_minibatch" in s:
+        rows.append(("|ρ−1| before any update", f"{s['ratio_absdev_first_minibatch']:.2e}"))
     rows.append(("precision", result["precision"]))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"| {k.ljust(width)} | {v} |" for k, v in rows)
