@@ -1,10 +1,10 @@
-"""`polyrl` command line: train | config | sample | pretrain-toy.
+"""`polyrl` command line: train | config | sample | pretrain-toy | bench | serve-reward.
 
     polyrl train [overrides...]            run the config (default: the embedded toy_shapes recipe)
     polyrl config [overrides...]           print the resolved config
     polyrl sample checkpoint=DIR [n=16] [out=PATH] [overrides...]   render a grid from a checkpoint
     polyrl pretrain-toy [--out DIR] ...    re-train the embedded toy base model
-    polyrl bench [--tiny] [--epochs 2] [overrides...]   the BENCHMARK.md workload, timed per stage
+    polyrl bench [--tiny] [--workload sd35m|qwen_image] [--epochs 2] [overrides...]   BENCHMARK.md workload, timed
     polyrl serve-reward reward=NAME [reward.k=v ...] [--host H] [--port N] [--token T]   a reward over HTTP
 """
 
