@@ -39,7 +39,7 @@ class PolicyEvaluator(Protocol):
 class AlgorithmBase:
     """Defaults for the declarations the actor and trainer read; an algorithm overrides what it needs."""
 
-    needs_reference: bool = False  # a reference policy (LoRA disabled / frozen initial copy)
+    kl_beta: float = 0.0  # β of the KL to the reference that every policy-gradient loss may add (§3)
     needs_old: bool = False  # an EMA copy of the trainable weights (the `old` policy)
     samples_from_old: bool = False  # the rollout runs under the `old` policy
     uses_log_probs: bool = True  # False: likelihood-free (ODE rollouts allowed, no rollout correction)
@@ -47,6 +47,11 @@ class AlgorithmBase:
     teacher_path: str | None = None  # a frozen teacher (polyrl checkpoint or diffusers directory)
     adv_std: str = "global"
     adv_clip_max: float = 5.0
+
+    @property
+    def needs_reference(self) -> bool:
+        """A reference policy (LoRA disabled / frozen initial copy): by default, for the KL term."""
+        return self.kl_beta > 0
 
     def num_terms(self, batch: Rollout) -> int:
         """Loss terms per sample; the actor averages `step_loss` over k in range(num_terms)."""

@@ -25,10 +25,6 @@ class FlowDPPO(AlgorithmBase):
     def __init__(self, tau: float = 1e-5, kl_beta: float = 0.0, adv_std: str = "global", adv_clip_max: float = 5.0):
         self.tau, self.kl_beta, self.adv_std, self.adv_clip_max = tau, kl_beta, adv_std, adv_clip_max
 
-    @property
-    def needs_reference(self) -> bool:
-        return self.kl_beta > 0
-
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
         out = policy.step(batch, k)
         adv = batch.advantages.to(out.log_prob.device)

@@ -66,10 +66,6 @@ class FlowGRPO(AlgorithmBase):
         self.clip_range, self.kl_beta = clip_range, kl_beta
         self.adv_std, self.adv_clip_max = adv_std, adv_clip_max
 
-    @property
-    def needs_reference(self) -> bool:
-        return self.kl_beta > 0
-
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
         return self.policy_loss(policy, batch, k, policy.step(batch, k))
 

@@ -31,10 +31,6 @@ class GRPOGuard(AlgorithmBase):
     def __init__(self, clip_range: float = 2e-6, kl_beta: float = 0.0, adv_std: str = "global", adv_clip_max: float = 5.0):
         self.clip_range, self.kl_beta, self.adv_std, self.adv_clip_max = clip_range, kl_beta, adv_std, adv_clip_max
 
-    @property
-    def needs_reference(self) -> bool:
-        return self.kl_beta > 0
-
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
         out = policy.step(batch, k)
         adv = batch.advantages.to(out.log_prob.device)
