@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..perf.flops import qwen_image_forward_flops
 from .base import Cond, register_model
-from .sd3 import _DTYPES, _load_component, load_model_index
+from .sd3 import _DTYPES, _load_component, pipeline_components
 
 # The template Qwen-Image was trained with, and the number of its leading tokens that are dropped (the system
 # prompt and user header); both are the model's, not polyrl's choice.
@@ -102,15 +102,9 @@ class QwenImageAdapter:
 
     def __init__(self, cfg, device: torch.device):
         root = Path(cfg.path)
-        index = load_model_index(root)
+        present = pipeline_components(root, ("transformer", "vae", "scheduler", "text_encoder", "tokenizer"), "Qwen-Image")
         dtype = _DTYPES[cfg.dtype]
         self.device, self.dtype = device, dtype
-        present = {k: v for k, v in index.items() if isinstance(v, list) and v[0] is not None}
-        needed = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
-        missing = [n for n in needed if n not in present]
-        if missing:
-            raise ValueError(f"{root} has no {', '.join(map(repr, missing))} component; a Qwen-Image pipeline needs "
-                             f"{', '.join(needed)}")
         self.transformer = _load_component(root, "transformer", present["transformer"], dtype).to(device)
         self.vae = _load_component(root, "vae", present["vae"], torch.float32).to(device).eval().requires_grad_(False)
         self.scheduler = _load_component(root, "scheduler", present["scheduler"], None)

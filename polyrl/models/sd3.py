@@ -47,6 +47,17 @@ def load_model_index(path: str | Path) -> dict:
     return json.loads(index.read_text())
 
 
+def pipeline_components(root: Path, needed: tuple[str, ...], family: str) -> dict[str, list]:
+    """model_index.json's present components (name -> [library, class]); a missing required one is an error."""
+    index = load_model_index(root)
+    present = {k: v for k, v in index.items() if isinstance(v, list) and v[0] is not None}
+    missing = [n for n in needed if n not in present]
+    if missing:
+        raise ValueError(f"{root} has no {', '.join(map(repr, missing))} component; a {family} pipeline needs "
+                         f"{', '.join(needed)}")
+    return present
+
+
 def _tokenize(tokenizer, prompts: list[str], max_length: int, device) -> torch.Tensor:
     out = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
     return out.input_ids.to(device)
@@ -82,13 +93,9 @@ class SD3Adapter:
 
     def __init__(self, cfg, device: torch.device):
         root = Path(cfg.path)
-        index = load_model_index(root)
+        present = pipeline_components(root, ("transformer", "vae", "scheduler"), "SD3")
         dtype = _DTYPES[cfg.dtype]
         self.device, self.dtype = device, dtype
-        present = {k: v for k, v in index.items() if isinstance(v, list) and v[0] is not None}
-        for needed in ("transformer", "vae", "scheduler"):
-            if needed not in present:
-                raise ValueError(f"{root} has no {needed!r} component; an SD3 pipeline needs transformer, vae, scheduler")
         self.transformer = _load_component(root, "transformer", present["transformer"], dtype).to(device)
         self.vae = _load_component(root, "vae", present["vae"], torch.float32).to(device)
         self.scheduler = _load_component(root, "scheduler", present["scheduler"], None)
