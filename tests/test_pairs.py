@@ -84,7 +84,7 @@ def test_offline_dpo_trains_through_the_cli(tiny_sd3_dir, shape_prompts_file, pa
     ])
     out = tmp_path / "run"
     args = ["train", "recipe=toy_common", "algorithm=diffusion_dpo", f"model.path={tiny_sd3_dir}",
-            f"data.path={shape_prompts_file}", f"data.pairs_path={pairs}", f"trainer.output_dir={out}",
+            f"data.pairs_path={pairs}", f"trainer.output_dir={out}",
             "trainer.max_steps=2", "rollout.height=32", "rollout.width=32", "rollout.num_steps=3",
             "rollout.sde_window_size=2", "rollout.sde_window_range=[0,1]", "data.prompts_per_step=2", "model.max_sequence_length=16", "trainer.eval_every=0", "trainer.save_every=2",
             "trainer.progress=false", "trainer.tensorboard=false", "reward=jpeg_compressibility"]
@@ -102,3 +102,16 @@ def test_pairs_need_a_pair_algorithm(shape_prompts_file, pair_dir, tmp_path, cap
     assert main(args) == 2
     assert "data.pairs_path is set but algorithm flow_grpo does not train on preference pairs; allowed: diffusion_dpo" \
         in capsys.readouterr().err
+
+
+def test_pairs_path_makes_the_prompt_file_optional():
+    from omegaconf import OmegaConf
+
+    from polyrl.config import ConfigError, _compose, validate
+
+    raw = _compose(["recipe=toy_common", "algorithm=diffusion_dpo", "model.path=/ckpt", "data.pairs_path=pairs.jsonl"])
+    OmegaConf.update(raw, "data.path", "???")  # no prompt file: the pairs are the data
+    assert validate(raw).data.pairs_path == "pairs.jsonl"
+    OmegaConf.update(raw, "data.pairs_path", None)
+    with pytest.raises(ConfigError, match=r"^data.path must be set"):
+        validate(raw)

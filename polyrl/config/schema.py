@@ -156,6 +156,8 @@ def validate(raw: DictConfig) -> DictConfig:
         raise ConfigError(f"bad value for {e.full_key}: {e.msg.splitlines()[0]}") from None
     missing = sorted(OmegaConf.missing_keys(cfg), key=lambda k: ("model", "data").index(k.split(".")[0])
                      if k.split(".")[0] in ("model", "data") else 2)
+    if OmegaConf.select(cfg, "data.pairs_path"):  # offline pairs replace the prompt file
+        missing = [k for k in missing if k != "data.path"]
     if missing:
         raise ConfigError(f"{', '.join(missing)} must be set (e.g. `polyrl train {missing[0]}=...`)")
 
