@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -163,8 +164,6 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
         base.append(f"trainer.peak_tflops={peak}")
     run_dir = out / "run"
     if run_dir.exists():
-        import shutil
-
         shutil.rmtree(run_dir)
     cfg = load_config(base + list(overrides))
     if device.type == "cuda":
@@ -172,10 +171,11 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
     trainer = Trainer(cfg)
     history = trainer.fit()
     images = cfg.data.prompts_per_step * cfg.rollout.n
+    stack = versions()
     result = {
         "workload": recipe + (" (tiny)" if tiny else ""),
-        "date": time.strftime("%Y-%m-%d"), "device": versions().get("gpu", platform.processor() or "cpu"),
-        "versions": versions(), "overrides": list(overrides), "build_pipeline_s": build_s,
+        "date": time.strftime("%Y-%m-%d"), "device": stack.get("gpu", platform.processor() or "cpu"),
+        "versions": stack, "overrides": list(overrides), "build_pipeline_s": build_s,
         "precision": f"transformer {cfg.model.dtype} (autocast), LoRA master weights float32, step math float32, "
                      f"VAE weights float32 (decode autocast to the network dtype), compile={cfg.model.compile}",
         "peak_tflops": cfg.trainer.peak_tflops, "summary": summarize(history, warmup, images),
