@@ -56,6 +56,19 @@ class Rollout:
                 out[f.name] = [value[i] for i in ids]
         return Rollout(**out)
 
+    def to(self, device, skip: tuple[str, ...] = ("images",)) -> Rollout:
+        """A copy with every tensor (and every tensor in a dict field) on `device`; fields in `skip` stay where
+        they are (the actor update has no use for the decoded images)."""
+        def move(v):
+            if isinstance(v, torch.Tensor):
+                return v.to(device)
+            if isinstance(v, dict):
+                return {k: move(x) for k, x in v.items()}
+            return v
+
+        return Rollout(**{f.name: getattr(self, f.name) if f.name in skip else move(getattr(self, f.name))
+                          for f in fields(self)})
+
     def neg_for(self, batch: int) -> dict[str, torch.Tensor] | None:
         return None if self.neg is None else {k: v.expand(batch, *v.shape[1:]) for k, v in self.neg.items()}
 

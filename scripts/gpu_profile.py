@@ -1,15 +1,19 @@
-"""Where the compiled SD3.5-M block spends its GPU time: kernel time shares by kind (matmul, attention, fused
-elementwise, copies, other) for one forward and one LoRA training pass, with torch.profiler.
+"""Where the compiled SD3.5-M transformer spends its GPU time, for one forward and one LoRA training pass.
 
-    python scripts/gpu_profile.py [--fp8] [--batch 16]
+    python scripts/gpu_profile.py [--fp8] [--batch 32]
 
-The FLOP shares of ALGORITHMS.md §6 say linear layers are ~86% of the work; this says how much of the *time* they
-are (docs/performance.md, prediction 6), which decides the next lever.
+Per pass it prints: wall time (CUDA events) against the sum of kernel times (the difference is GPU idle time,
+i.e. launch-bound gaps), the kernel time shares by kind (matmul, attention, fused elementwise, copies, other)
+with the largest kernels, and the same pass with the LoRA adapters disabled (the LoRA cost; for training the
+LoRA-free pass still back-propagates to the input, like the frozen base does under LoRA). The FLOP shares of
+ALGORITHMS.md §6 say linear layers are ~86% of the work; this says how much of the *time* they are
+(docs/performance.md, prediction 6), which decides the next lever.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections import defaultdict
 
 import torch
@@ -23,7 +27,7 @@ from polyrl.perf.compile import compile_transformer
 from polyrl.perf.fp8 import apply_fp8
 
 KINDS = [("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
-         ("matmul", ("gemm", "cutlass", "sm90", "nvjet", "matmul", "scaled_mm", "xmma")),
+         ("matmul", ("gemm", "cutlass", "sm90", "nvjet", "matmul", "scaled_mm", "xmma", "splitk")),
          ("copy", ("copy", "memcpy", "memset", "cat", "fill")),
          ("fused elementwise", ("triton",))]
 
@@ -36,12 +40,39 @@ def kind(name: str) -> str:
     return "other"
 
 
+def wall_ms(fn, reps: int = 5) -> float:
+    out = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        out.append(s.elapsed_time(e))
+    return statistics.median(out)
+
+
+def kernel_profile(fn, reps: int = 3):
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    shares, top = defaultdict(float), []
+    for e in prof.key_averages():
+        t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        if t > 0:
+            shares[kind(e.key)] += t
+            top.append((t, e.count // reps, e.key))
+    return shares, top, sum(shares.values()) / reps / 1e3
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--fp8", action="store_true")
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=32, help="CFG rows per call (16 images × 2 = 32)")
     a = p.parse_args()
     dev = torch.device("cuda")
+    torch.manual_seed(0)
     with torch.device(dev):
         model = SD3Transformer2DModel(**SD35M_TRANSFORMER).to(torch.bfloat16)
     add_lora(model, 32, 64, SD3_LORA_TARGETS)
@@ -65,26 +96,36 @@ def main():
             out = model(**inputs)[0]
         out.float().square().mean().backward()
 
-    for name, fn in (("forward", fwd), ("train", train)):
-        for _ in range(3):
+    x_grad = inputs["hidden_states"].clone().requires_grad_(True)
+
+    def train_no_lora():  # frozen everything, gradient to the input only: the base part of a LoRA backward
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(**{**inputs, "hidden_states": x_grad})[0]
+        out.float().square().mean().backward()
+
+    rows = []
+    for name, fn, lora in (("forward", fwd, True), ("train", train, True), ("forward", fwd, False),
+                           ("train", train_no_lora, False)):
+        if not lora:
+            model.disable_adapters()
+        for _ in range(3):  # compile + warm up
             fn()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-        shares, top = defaultdict(float), []
-        for e in prof.key_averages():
-            t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-            if t > 0:
-                shares[kind(e.key)] += t
-                top.append((t, e.key))
+        wall = wall_ms(fn)
+        shares, top, kernels = kernel_profile(fn)
+        if not lora:
+            model.enable_adapters()
+        rows.append((name, lora, wall, kernels))
         total = sum(shares.values())
-        print(f"== {name} (batch {b}, fp8={a.fp8}): {total / 3 / 1e3:.1f} ms of kernels per pass")
+        print(f"== {name}, LoRA {'on' if lora else 'off'} (batch {b}, fp8={a.fp8}): wall {wall:.1f} ms, "
+              f"kernels {kernels:.1f} ms ({100 * (1 - kernels / wall):.1f}% idle)", flush=True)
         for k, t in sorted(shares.items(), key=lambda kv: -kv[1]):
-            print(f"   {k:18s} {100 * t / total:5.1f}%")
-        for t, key in sorted(top, reverse=True)[:8]:
-            print(f"   {100 * t / total:5.1f}%  {key[:100]}")
+            print(f"   {k:18s} {100 * t / total:5.1f}%  {t / 3 / 1e3:7.1f} ms")
+        for t, n, key in sorted(top, reverse=True)[:12]:
+            print(f"   {100 * t / total:5.1f}%  x{n:<4d} {key[:110]}")
+    print(f"\n| pass | LoRA | wall ms | kernel ms |  (batch {b}, fp8={a.fp8})")
+    for name, lora, wall, kernels in rows:
+        print(f"| {name} | {'on' if lora else 'off'} | {wall:.1f} | {kernels:.1f} |")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,10 @@ def test_bench_tiny_reports_every_stage_and_the_analytic_flops(tmp_path):
     expected = epoch_flops(per_sample, 8, 10, 9, cfg=True, reference_forward=True)
     assert s["model_tflop_per_epoch"] * 1e12 == pytest.approx(expected, rel=1e-9)
     assert "images/s" in (out / "bench.md").read_text()
-    # bypass: the first mini-batch re-scores the rollout's transitions with the same weights and kernels
-    assert s["ratio_absdev_first_minibatch"] == 0.0
+    # bypass: the first mini-batch re-scores the rollout's transitions with the same weights; what is left is
+    # float32 rounding of CPU kernels that block differently per batch size (0 or ~1e-8 by the CPU's vector
+    # width). A wrong old log-prob, or an optimizer step before the first mini-batch, gives >= 1e-4.
+    assert s["ratio_absdev_first_minibatch"] < 1e-6
     assert all(math.isfinite(m["reward/mean"]) for m in result["history"])
 
 

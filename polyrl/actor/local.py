@@ -69,6 +69,19 @@ def in_bounds(log_ratio: torch.Tensor, bounds) -> torch.Tensor:
     return ((log_ratio >= lo) & (log_ratio <= hi)).to(log_ratio)
 
 
+def mean_stats(stats: dict[str, list]) -> dict[str, float]:
+    """Each stat's mean as a float; device tensors are read back in one transfer, not one sync each."""
+    tensors = [v for vs in stats.values() for v in vs if torch.is_tensor(v)]
+    device = tensors[0].device if tensors else "cpu"
+    flat = torch.stack([torch.as_tensor(v, device=device).detach().double().reshape(())
+                        for vs in stats.values() for v in vs]).tolist()
+    out, i = {}, 0
+    for k, vs in stats.items():
+        out[k] = sum(flat[i:i + len(vs)]) / len(vs)
+        i += len(vs)
+    return out
+
+
 DEFAULT_CORRECTION = SimpleNamespace(mode="bypass", is_cap=2.0, log_ratio_bounds=None)
 
 
@@ -195,7 +208,7 @@ class LocalActor:
         weight = None if batch.step_weights is None else batch.step_weights[:, k].to(log_prob)
         if self.correction.mode == "bypass" and self.bounds is not None:
             mask = in_bounds(log_prob - batch.log_probs[:, k].to(log_prob), self.bounds)
-            self._masked.append(float(1 - mask.mean()))
+            self._masked.append(1 - mask.mean())
             weight = mask if weight is None else weight * mask
         return weight
 
@@ -216,8 +229,8 @@ class LocalActor:
         for part in torch.arange(len(batch)).split(micro):
             sub = batch.select(part)
             outs = [self.step(sub, k, policy=old_policy) for k in range(batch.log_probs.shape[1])]
-            lps.append(torch.stack([o.log_prob for o in outs], 1).float().cpu())
-            means.append(torch.stack([o.mean for o in outs], 1).float().cpu())
+            lps.append(torch.stack([o.log_prob for o in outs], 1).float())
+            means.append(torch.stack([o.mean for o in outs], 1).float())
         batch.old_log_probs, batch.old_means = torch.cat(lps), torch.cat(means)
         delta = batch.old_log_probs - batch.log_probs
         stats = {"correction/abs_dlogp": float(delta.abs().mean()), "correction/max_abs_dlogp": float(delta.abs().max())}
@@ -233,9 +246,11 @@ class LocalActor:
     def update(self, algo, batch: Rollout, generator: torch.Generator) -> dict[str, float]:
         """`num_minibatches` optimizer steps over a shuffled batch; each accumulates every loss term."""
         self.generator = generator
-        batch = algo.prepare(batch)
+        # one copy to the device per update, not one per micro-batch and step: the conditioning alone is
+        # ~100 MB per SD3 micro-batch, and every host-to-device copy from pageable memory stalls the GPU queue
+        batch = algo.prepare(batch).to(self.adapter.device)
         b = len(batch)
-        stats: dict[str, list[float]] = {"train/samples": [float(b)]}
+        stats: dict[str, list] = {"train/samples": [float(b)]}
         if b == 0:  # e.g. online DPO when every group's rewards are equal: nothing to learn from
             self._update_old(algo)
             return {"train/samples": 0.0}
@@ -252,22 +267,23 @@ class LocalActor:
                 for k in range(terms):
                     loss, st = algo.step_loss(self, sub, k)
                     (loss * (len(part) / len(mb)) / terms).backward()
+                    # stats stay on the device until the update ends: a float() here would sync every step
                     for name, value in st.items():
-                        stats.setdefault(name, []).append(float(value))
+                        stats.setdefault(name, []).append(value.detach() if torch.is_tensor(value) else value)
                     if i == 0 and "ratio_absdev" in st:
                         # before any update the ratio is 1 up to rollout-vs-training kernel differences: this is
                         # that difference, the number rollout correction exists for (§4)
-                        stats.setdefault("ratio_absdev/first_minibatch", []).append(float(st["ratio_absdev"]))
+                        stats.setdefault("ratio_absdev/first_minibatch", []).append(st["ratio_absdev"].detach())
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
             if not torch.isfinite(grad_norm):
                 raise FloatingPointError(f"non-finite gradient norm {grad_norm} (loss {float(loss)})")
             self.optimizer.step()
-            stats.setdefault("grad_norm", []).append(float(grad_norm))
+            stats.setdefault("grad_norm", []).append(grad_norm.detach())
         self.adapter.transformer.eval()
         self._update_old(algo)
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
+        out = mean_stats(stats)
         if self._masked:
-            out["correction/masked_frac"] = sum(self._masked) / len(self._masked)
+            out["correction/masked_frac"] = mean_stats({"m": self._masked})["m"]
         out.update(extra)
         return out
 

@@ -57,8 +57,9 @@ class DiffusionDPO(AlgorithmBase):
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
         x0_w, x0_l = batch.final, batch.pair_final
         b = len(batch)
-        t = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(b, generator=policy.generator))
-        eps = torch.randn(x0_w.shape, generator=policy.generator)
+        # drawn on the CPU from the update's generator (reproducible on any device), then moved to the batch's
+        t = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(b, generator=policy.generator)).to(x0_w.device)
+        eps = torch.randn(x0_w.shape, generator=policy.generator).to(x0_w.device)
         t_ = t.view(-1, 1, 1, 1)
         x_t = torch.cat([(1 - t_) * x0_w + t_ * eps, (1 - t_) * x0_l + t_ * eps])
         target = torch.cat([eps - x0_w, eps - x0_l])

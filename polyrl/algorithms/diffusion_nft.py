@@ -64,8 +64,9 @@ class DiffusionNFT(AlgorithmBase):
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
         x0 = batch.final
         lo, hi = self.timestep_range
-        t = lo + (hi - lo) * torch.rand(len(batch), generator=policy.generator)
-        eps = torch.randn(x0.shape, generator=policy.generator)
+        # drawn on the CPU from the update's generator (reproducible on any device), then moved to the batch's
+        t = (lo + (hi - lo) * torch.rand(len(batch), generator=policy.generator)).to(x0.device)
+        eps = torch.randn(x0.shape, generator=policy.generator).to(x0.device)
         x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
         with torch.no_grad():
             v_old = policy.velocity(batch, x_t, t, policy="old", guidance=1.0)

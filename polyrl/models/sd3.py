@@ -111,6 +111,9 @@ class SD3Adapter:
         if self.text_encoders[0] is None and self.text_encoders[1] is None:
             raise ValueError(f"{root}: SD3 needs at least one CLIP text encoder (text_encoder or text_encoder_2)")
         self.vae.requires_grad_(False).eval()
+        # cuDNN's convolutions are native in NHWC on recent GPUs: NCHW costs a transpose around every conv
+        self.vae_memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
+        self.vae.to(memory_format=self.vae_memory_format)
         self.max_sequence_length = int(cfg.max_sequence_length)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self._cache: dict[str, Cond] = {}
@@ -174,7 +177,7 @@ class SD3Adapter:
         z = latents.float() / cfg.scaling_factor + (cfg.shift_factor or 0.0)
         # decoding only feeds the reward: with a low-precision network it runs in that precision too (≈3× faster)
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            images = self.vae.decode(z, return_dict=False)[0]
+            images = self.vae.decode(z.contiguous(memory_format=self.vae_memory_format), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
     @torch.no_grad()
