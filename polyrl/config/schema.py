@@ -25,7 +25,7 @@ class ModelConfig:
     path: str = MISSING
     dtype: str = "float32"
     max_sequence_length: int = 256
-    compile: str = "none"  # torch.compile the transformer after LoRA is added: none | blocks (each block) | full
+    compile: str = "none"  # torch.compile the transformer after LoRA is added (and the SD3 VAE decoder): none | blocks (each block) | full
     fp8: bool = False  # frozen base linears as float8 matmuls (LoRA only; perf/fp8.py)
 
 

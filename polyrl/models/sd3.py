@@ -114,6 +114,10 @@ class SD3Adapter:
         # cuDNN's convolutions are native in NHWC on recent GPUs: NCHW costs a transpose around every conv
         self.vae_memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
         self.vae.to(memory_format=self.vae_memory_format)
+        if getattr(cfg, "compile", "none") != "none":
+            # every decode call has the rollout chunk's shape: compiling fuses the GroupNorm/SiLU/casts between
+            # the convolutions (docs/performance.md has the timing)
+            self.vae.decoder.compile()
         self.max_sequence_length = int(cfg.max_sequence_length)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self._cache: dict[str, Cond] = {}
