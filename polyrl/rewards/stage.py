@@ -4,7 +4,10 @@ Two schedules, the same numbers:
 
 * sync (`reward.async=false`): after the whole rollout, decode every chunk, then score the batch.
 * overlapped (`reward.async=true`): the rollout samples the batch in chunks of `rollout.batch_size`; as soon
-  as chunk i is sampled, a worker thread decodes and scores it while the main thread samples chunk i+1.
+  as chunk i is sampled, the main thread queues its decode on the GPU and a worker thread scores it while the
+  main thread samples chunk i+1. The decode stays on the main thread: it is GPU work on the same stream either
+  way, and a compiled decoder compiling in a worker would break the main thread's compiled calls (torch.fx's
+  tracing flag is process-wide).
 
 Why inside one step and not across steps: the rollout of step k+1 must use the weights after step k's update,
 and that update needs step k's rewards (the advantages are normalised over whole groups). Scoring step k while
@@ -98,18 +101,44 @@ class _Overlapped:
         self.busy = {"time/decode": 0.0, "time/reward": 0.0}
 
     def on_chunk(self, chunk: slice, final: torch.Tensor) -> None:
-        self.futures.append(self.stage.executor.submit(self._work, chunk, final))
+        decoded = self._decode(final) if self.stage.reads_media else None
+        self.futures.append(self.stage.executor.submit(self._work, chunk, final, decoded))
 
-    def _work(self, chunk: slice, final: torch.Tensor):
+    def _decode(self, final: torch.Tensor):
+        """Queue the decode and its copy to the host; returns (images, wait) where wait() blocks until the images
+        are on the host and returns the decode's seconds (GPU time on CUDA, wall time elsewhere)."""
+        dev = self.adapter.device
+        with torch.no_grad():
+            if dev.type != "cuda":
+                t0 = time.perf_counter()
+                images = self.adapter.decode(final.to(dev)).cpu()
+                seconds = time.perf_counter() - t0
+                return images, lambda: seconds
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            images = self.adapter.decode(final.to(dev))
+            end.record()
+            host = torch.empty(images.shape, dtype=images.dtype, pin_memory=True)
+            host.copy_(images, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+
+        def wait() -> float:
+            copied.synchronize()
+            return start.elapsed_time(end) / 1000
+
+        return host, wait
+
+    def _work(self, chunk: slice, final: torch.Tensor, decoded):
+        images, wait = decoded if decoded is not None else (None, lambda: 0.0)
+        decode_s = wait()
         with torch.no_grad():  # grad mode is per thread
-            t0 = time.perf_counter()
-            images = self.adapter.decode(final.to(self.adapter.device)).cpu() if self.stage.reads_media else None
             t1 = time.perf_counter()
             prompts, metadata = self.prompts[chunk], self.metadata[chunk]
             out = call_reward(self.stage.reward, images, prompts, metadata, latents=final)
             scores = checked_scores(out, self.stage.name, len(prompts))
         # one worker thread: no lock needed
-        self.busy["time/decode"] += t1 - t0
+        self.busy["time/decode"] += decode_s
         self.busy["time/reward"] += time.perf_counter() - t1
         return images, scores, out.extras
 
