@@ -93,7 +93,7 @@ class WallTimer:
 
 
 class _Overlapped:
-    """One step's overlapped scoring: `on_chunk` submits decode + score of a chunk, `finish` collects."""
+    """One step's overlapped scoring: `on_chunk` queues a chunk's decode and submits its scoring, `finish` collects."""
 
     def __init__(self, stage: RewardStage, adapter, prompts: list[str], metadata: list[dict]):
         self.stage, self.adapter, self.prompts, self.metadata = stage, adapter, prompts, metadata
