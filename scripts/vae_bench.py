@@ -74,7 +74,7 @@ def main():
             vae.decoder.compile()
         autocast = "autocast" in name
 
-        def call():
+        def call(vae=vae, dtype=dtype, fmt=fmt, autocast=autocast):
             with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
                 return vae.decode(z.to(dtype).contiguous(memory_format=fmt), return_dict=False)[0]
 
