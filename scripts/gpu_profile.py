@@ -13,12 +13,11 @@ ALGORITHMS.md §6 say linear layers are ~86% of the work; this says how much of 
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections import defaultdict
 
 import torch
 from diffusers import SD3Transformer2DModel
-from gpu_microbench import SD35M_TRANSFORMER
+from gpu_microbench import SD35M_TRANSFORMER, timed
 from torch.profiler import ProfilerActivity, profile
 
 from polyrl.actor.local import add_lora
@@ -38,18 +37,6 @@ def kind(name: str) -> str:
         if any(key in low for key in keys):
             return k
     return "other"
-
-
-def wall_ms(fn, reps: int = 5) -> float:
-    out = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        out.append(s.elapsed_time(e))
-    return statistics.median(out)
 
 
 def kernel_profile(fn, reps: int = 3):
@@ -111,7 +98,7 @@ def main():
         for _ in range(3):  # compile + warm up
             fn()
         torch.cuda.synchronize()
-        wall = wall_ms(fn)
+        wall = timed(fn, reps=5, warmup=0)
         shares, top, kernels = kernel_profile(fn)
         if not lora:
             model.enable_adapters()

@@ -8,10 +8,10 @@ decoder's conv TFLOP/s, and the largest pixel difference from the float32 NCHW d
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 from diffusers import AutoencoderKL
+from gpu_microbench import timed
 
 SD35_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
                 layers_per_block=2, norm_num_groups=32, down_block_types=("DownEncoderBlock2D",) * 4,
@@ -34,20 +34,6 @@ def decoder_conv_flops(vae: AutoencoderKL, z: torch.Tensor) -> float:
     for h in hs:
         h.remove()
     return total * z.shape[0]
-
-
-def timed(fn, reps=6, warmup=2):
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        out.append(s.elapsed_time(e))
-    return statistics.median(out)
 
 
 def main():
@@ -78,7 +64,7 @@ def main():
             with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
                 return vae.decode(z.to(dtype).contiguous(memory_format=fmt), return_dict=False)[0]
 
-        ms = timed(call)
+        ms = timed(call, reps=6)
         diff = (call().float() - ref).abs().max().item() / 2  # images in [-1, 1] → pixel scale [0, 1]
         print(f"{name:28s} {ms:8.1f} ms/call  {flops / ms / 1e9:6.1f} TFLOP/s  max |Δpixel| {diff:.4f}", flush=True)
 
