@@ -79,7 +79,7 @@ def test_compiled_vae_decoder_matches_eager(tiny_sd3_dir):
     base = {"name": "sd3", "path": str(tiny_sd3_dir), "dtype": "float32", "max_sequence_length": 16}
     eager = build_model(OmegaConf.create({**base, "compile": "none"}), torch.device("cpu"))
     compiled = build_model(OmegaConf.create({**base, "compile": "blocks"}), torch.device("cpu"))
-    assert hasattr(compiled.vae.decoder, "_compiled_call_impl") and compiled.vae.decoder._compiled_call_impl is not None
+    assert compiled.vae.decoder._compiled_call_impl is not None
     z = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(0))
     a, b = eager.decode(z), compiled.decode(z)
     assert a.shape == (2, 3, 32, 32)

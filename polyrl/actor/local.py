@@ -71,8 +71,7 @@ def in_bounds(log_ratio: torch.Tensor, bounds) -> torch.Tensor:
 
 def mean_stats(stats: dict[str, list]) -> dict[str, float]:
     """Each stat's mean as a float; device tensors are read back in one transfer, not one sync each."""
-    tensors = [v for vs in stats.values() for v in vs if torch.is_tensor(v)]
-    device = tensors[0].device if tensors else "cpu"
+    device = next((v.device for vs in stats.values() for v in vs if torch.is_tensor(v)), "cpu")
     flat = torch.stack([torch.as_tensor(v, device=device).detach().double().reshape(())
                         for vs in stats.values() for v in vs]).tolist()
     out, i = {}, 0
@@ -117,7 +116,7 @@ class LocalActor:
         self.old_params = [p.detach().clone() for p in self.params] if keep_old else None
         self.num_updates = 0
         self.generator = torch.Generator().manual_seed(0)
-        self._masked: list[float] = []
+        self._masked: list[torch.Tensor] = []
 
     @property
     def num_trainable(self) -> int:
@@ -281,9 +280,9 @@ class LocalActor:
             stats.setdefault("grad_norm", []).append(grad_norm.detach())
         self.adapter.transformer.eval()
         self._update_old(algo)
-        out = mean_stats(stats)
         if self._masked:
-            out["correction/masked_frac"] = mean_stats({"m": self._masked})["m"]
+            stats["correction/masked_frac"] = self._masked
+        out = mean_stats(stats)
         out.update(extra)
         return out
 
