@@ -11,7 +11,9 @@ from omegaconf import OmegaConf
 from polyrl.actor.local import LocalActor
 from polyrl.algorithms.base import AlgorithmBase
 from polyrl.models import build_model
-from polyrl.sampling.rollout import SamplingPlan
+from polyrl.latents import MediaShape
+from polyrl.models.base import Guidance
+from polyrl.sampling.diffusion import SamplingPlan
 
 
 def _actor(model_dir, ema_decay=0.5, teacher_path=None, lora_rank=4):
@@ -22,12 +24,12 @@ def _actor(model_dir, ema_decay=0.5, teacher_path=None, lora_rank=4):
                                 ema_decay=ema_decay)
     algo = AlgorithmBase()
     algo.teacher_path = teacher_path
-    plan = SamplingPlan(num_steps=3, height=32, width=32, guidance_scale=1.0, noise_level=0.7)
+    plan = SamplingPlan(num_steps=3, shape=MediaShape(32, 32), guidance=Guidance(1.0), noise_level=0.7)
     return LocalActor(adapter, actor_cfg, plan, algo), adapter
 
 
 def _velocity(adapter, x, cond):
-    return adapter.velocity(x, torch.full((x.shape[0],), 0.7), cond, None, 1.0)
+    return adapter.velocity({"x": x}, torch.full((x.shape[0],), 0.7), cond, {}, 1.0)["x"]
 
 
 def test_old_policy_is_the_ema_and_is_swapped_back(tiny_sd3_dir):
@@ -67,7 +69,7 @@ def test_old_policy_needs_an_ema_copy(tiny_sd3_dir):
 
 def test_teacher_from_diffusers_dir_is_frozen_base(tiny_sd3_dir):
     actor, adapter = _actor(tiny_sd3_dir, ema_decay=0.0, teacher_path=str(tiny_sd3_dir))
-    assert not any(p.requires_grad for p in actor.teacher_model.parameters())
+    assert not any(p.requires_grad for p in actor.teacher_models["transformer"].parameters())
     cond = adapter.encode_prompts(["three yellow squares"])
     x = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

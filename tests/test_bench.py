@@ -8,7 +8,8 @@ from diffusers import SD3Transformer2DModel
 
 from polyrl.cli.main import main
 from polyrl.perf.compile import repeated_blocks
-from polyrl.perf.flops import epoch_flops, sd3_forward_flops
+from polyrl.models.sd3 import sd3_forward_flops
+from polyrl.perf.flops import epoch_flops
 
 
 def test_bench_tiny_reports_every_stage_and_the_analytic_flops(tmp_path):

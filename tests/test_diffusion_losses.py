@@ -16,7 +16,9 @@ from polyrl.algorithms.diffusion_nft import nft_loss, old_decay
 from polyrl.algorithms.diffusion_opd import distill_kl
 from polyrl.algorithms.flow_dppo import dppo_loss
 from polyrl.algorithms.grpo_guard import guard_log_ratio, inverse_dt_weights
-from polyrl.sampling.rollout import SamplingPlan, rollout, window_starts
+from polyrl.latents import MediaShape
+from polyrl.models.base import Guidance
+from polyrl.sampling.diffusion import SamplingPlan, draw_noise, rollout, window_starts
 
 
 def t64(a):
@@ -226,7 +228,7 @@ def test_decoupled_weights_are_truncated_and_masked():
 
 # ------------------------------------------------------------------------------------------------ windows, noise
 def test_window_strategies():
-    plan = SamplingPlan(num_steps=10, height=8, width=8, guidance_scale=1.0, noise_level=0.7, window_size=3,
+    plan = SamplingPlan(num_steps=10, shape=MediaShape(8, 8), guidance=Guidance(1.0), noise_level=0.7, window_size=3,
                         window_range=(0, 4), window_strategy="per_sample")
     g = torch.Generator().manual_seed(0)
     per = window_starts(plan, 256, g)
@@ -248,28 +250,33 @@ class ZeroVelocity:
     def encode_prompts(self, prompts):
         return {"pooled": torch.zeros(len(prompts), 1)}
 
-    def initial_noise(self, batch, height, width, generator):
-        return torch.randn(batch, 2, height, width, generator=generator)
+    def encode_guidance(self, guidance):
+        return {}
 
-    def sigmas(self, num_steps, height=None, width=None):
+    def latent_shapes(self, shape):
+        return {"x": (2, shape.height, shape.width)}
+
+    def sigmas(self, num_steps, shape):
         return torch.linspace(1, 0, num_steps + 1)
 
-    def velocity(self, latents, sigma, cond, neg, guidance):
-        return torch.zeros_like(latents)
+    def velocity(self, latents, sigma, cond, shared, guidance):
+        return {k: torch.zeros_like(v) for k, v in latents.items()}
 
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_shared_initial_noise_per_group_and_stored_means(shared):
-    plan = SamplingPlan(num_steps=4, height=3, width=3, guidance_scale=1.0, noise_level=0.5, window_size=2,
+    plan = SamplingPlan(num_steps=4, shape=MediaShape(3, 3), guidance=Guidance(1.0), noise_level=0.5, window_size=2,
                         window_range=(1, 1), shared_noise=shared)
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
-    out = rollout(ZeroVelocity(), ["a"] * 6, [{}] * 6, groups, plan, torch.Generator().manual_seed(0), decode=False)
-    x0 = out.latents[:, 0]  # state at step 1 = the initial noise (step 0 is an ODE step with v = 0)
+    model = ZeroVelocity()
+    noise = draw_noise(model.latent_shapes(plan.shape), plan, groups, torch.Generator().manual_seed(0))
+    out = rollout(model, ["a"] * 6, [{}] * 6, groups, plan, noise, decode=False)
+    x0 = out.latents["x"][:, 0]  # state at step 1 = the initial noise (step 0 is an ODE step with v = 0)
     assert torch.equal(x0[0], x0[1]) == shared and torch.equal(x0[3], x0[5]) == shared
     assert not torch.equal(x0[0], x0[3])
     # the stored means are the transition means of the window: for v = 0 the sde mean is x·(1 + std²·dt/(2σ))
-    assert out.old_means.shape == (6, 2, 2, 3, 3)
+    assert out.old_means["x"].shape == (6, 2, 2, 3, 3)
     sigma, sigma_next = 0.75, 0.5
     std2 = 0.5**2 * sigma / (1 - sigma)
-    np.testing.assert_allclose(out.old_means[:, 0].numpy(), (x0 * (1 + std2 * (sigma_next - sigma) / (2 * sigma))).numpy(),
+    np.testing.assert_allclose(out.old_means["x"][:, 0].numpy(), (x0 * (1 + std2 * (sigma_next - sigma) / (2 * sigma))).numpy(),
                                rtol=1e-6)

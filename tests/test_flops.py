@@ -4,7 +4,8 @@ import pytest
 import torch
 from diffusers import SD3Transformer2DModel
 
-from polyrl.perf.flops import epoch_flops, sd3_forward_flops
+from polyrl.models.sd3 import sd3_forward_flops
+from polyrl.perf.flops import epoch_flops
 
 
 def executed_flops(model: torch.nn.Module, inputs: dict) -> tuple[float, int]:

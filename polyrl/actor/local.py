@@ -25,33 +25,39 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..batch import Rollout
-from ..models.base import GeneratorAdapter
-from ..sampling.rollout import SamplingPlan
-from ..sampling.steps import STEPS, StepOut
+from ..distributed.engine import LocalEngine
+from ..latents import Latents, select_step
+from ..models.base import DiffusionPolicy
+from ..sampling.diffusion import SamplingPlan
+from ..sampling.steps import STEPS, StepOut, step_latents
 
 
-def add_lora(transformer: torch.nn.Module, rank: int, alpha: float, targets: list[str]) -> None:
+def add_lora(network: torch.nn.Module, rank: int, alpha: float, targets: list[str]) -> None:
     from peft import LoraConfig
 
-    transformer.requires_grad_(False)
-    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
+    network.requires_grad_(False)
+    network.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
 
 
-def load_teacher(path: str | Path, base: torch.nn.Module) -> torch.nn.Module:
-    """A frozen teacher: a polyrl checkpoint (the base network + its trained weights) or a diffusers directory."""
+def load_teacher(path: str | Path, base: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Module]:
+    """Frozen teacher networks: a polyrl checkpoint (the base networks + its trained weights) or a diffusers
+    directory (each network from its subfolder, e.g. `transformer/`)."""
     path = Path(path)
     if (path / "weights.json").is_file():
-        holder = SimpleNamespace(transformer=copy.deepcopy(base))
+        holder = SimpleNamespace(networks={k: copy.deepcopy(v) for k, v in base.items()})
+        holder.modules = lambda: holder.networks
         load_trained_weights(holder, path)
-        teacher = holder.transformer
+        teacher = holder.networks
     else:
-        sub = path / "transformer" if (path / "transformer" / "config.json").is_file() else path
-        if not (sub / "config.json").is_file():
-            raise FileNotFoundError(f"algorithm.teacher_path={str(path)!r} is neither a polyrl checkpoint (weights.json) "
-                                    "nor a diffusers directory (transformer/config.json)")
-        dtype = next(base.parameters()).dtype
-        teacher = type(base).from_pretrained(str(sub), torch_dtype=dtype)
-    return teacher.to(next(base.parameters()).device).requires_grad_(False).eval()
+        teacher = {}
+        for name, network in base.items():
+            sub = path / name if (path / name / "config.json").is_file() else path
+            if not (sub / "config.json").is_file():
+                raise FileNotFoundError(f"algorithm.teacher_path={str(path)!r} is neither a polyrl checkpoint "
+                                        f"(weights.json) nor a diffusers directory ({name}/config.json)")
+            dtype = next(network.parameters()).dtype
+            teacher[name] = type(network).from_pretrained(str(sub), torch_dtype=dtype)
+    return {k: t.to(next(base[k].parameters()).device).requires_grad_(False).eval() for k, t in teacher.items()}
 
 
 def correction_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, cap: float,
@@ -69,45 +75,61 @@ def in_bounds(log_ratio: torch.Tensor, bounds) -> torch.Tensor:
     return ((log_ratio >= lo) & (log_ratio <= hi)).to(log_ratio)
 
 
-def mean_stats(stats: dict[str, list]) -> dict[str, float]:
-    """Each stat's mean as a float; device tensors are read back in one transfer, not one sync each."""
-    device = next((v.device for vs in stats.values() for v in vs if torch.is_tensor(v)), "cpu")
-    flat = torch.stack([torch.as_tensor(v, device=device).detach().double().reshape(())
-                        for vs in stats.values() for v in vs]).tolist()
-    out, i = {}, 0
-    for k, vs in stats.items():
-        out[k] = sum(flat[i:i + len(vs)]) / len(vs)
-        i += len(vs)
-    return out
+def mean_stats(stats: dict[str, list], engine: LocalEngine | None = None) -> dict[str, float]:
+    """Each stat's weighted mean Σ w·v / Σ w over its `(value, weight)` entries and over every rank; device
+    tensors are read back in one transfer, not one sync each. A stat some rank lacks counts only where present."""
+    engine = engine or LocalEngine(torch.device("cpu"))
+    names = list(stats)
+    if engine.world_size > 1:
+        for other in engine.gather_objects(names):
+            names += [n for n in other if n not in names]
+    device = next((v.device for vs in stats.values() for v, _ in vs if torch.is_tensor(v)), torch.device("cpu"))
+    if engine.world_size > 1:
+        device = engine.device
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    sums = [sum((torch.as_tensor(v, device=device).detach().double().reshape(()) * w for v, w in stats.get(n, [])),
+                zero) for n in names]
+    weights = [float(sum(w for _, w in stats.get(n, []))) for n in names]
+    flat = engine.sum(torch.cat([torch.stack(sums), torch.tensor(weights, dtype=torch.float64, device=device)]))
+    values = flat.tolist()
+    k = len(names)
+    return {n: values[i] / values[k + i] for i, n in enumerate(names) if values[k + i] > 0}
 
 
 DEFAULT_CORRECTION = SimpleNamespace(mode="bypass", is_cap=2.0, log_ratio_bounds=None)
 
 
 class LocalActor:
-    def __init__(self, adapter: GeneratorAdapter, cfg, plan: SamplingPlan, algo, correction=None):
+    """The trainable networks of a policy, replicated on every rank of `engine` (one process: LocalEngine)."""
+
+    def __init__(self, adapter: DiffusionPolicy, cfg, plan: SamplingPlan, algo, correction=None,
+                 engine: LocalEngine | None = None):
         self.adapter, self.cfg, self.plan, self.algo = adapter, cfg, plan, algo
+        self.engine = engine or LocalEngine(adapter.device)
         self.correction = correction or DEFAULT_CORRECTION
         self.bounds = None if self.correction.log_ratio_bounds is None else tuple(map(float, self.correction.log_ratio_bounds))
-        self.sigma_1 = float(adapter.sigmas(plan.num_steps, plan.height, plan.width)[1])
+        self.sigma_1 = float(adapter.sigmas(plan.num_steps, plan.shape)[1])
         self.step_fn = STEPS[plan.step]
-        transformer = adapter.transformer
-        self.teacher_model = load_teacher(algo.teacher_path, transformer) if algo.teacher_path else None
+        networks = adapter.modules()
+        self.teacher_models = load_teacher(algo.teacher_path, networks) if algo.teacher_path else None
         self.lora = cfg.lora_rank > 0
-        self.reference_model = None
-        if self.lora:
-            targets = list(cfg.lora_targets) if cfg.lora_targets else adapter.default_lora_targets
-            add_lora(transformer, cfg.lora_rank, cfg.lora_alpha, targets)
-        else:
-            transformer.requires_grad_(True)
-            if algo.needs_reference:
-                self.reference_model = copy.deepcopy(transformer).requires_grad_(False).eval()
+        self.lora_targets = list(cfg.lora_targets) if cfg.lora_targets else list(adapter.default_lora_targets)
+        self.reference_models = None
+        for network in networks.values():
+            if self.lora:
+                add_lora(network, cfg.lora_rank, cfg.lora_alpha, self.lora_targets)
+            else:
+                network.requires_grad_(True)
+        if not self.lora and algo.needs_reference:
+            self.reference_models = {k: copy.deepcopy(v).requires_grad_(False).eval() for k, v in networks.items()}
         # Trainable weights are kept in float32 (the optimizer needs full-precision master weights).
-        named = [(n, p) for n, p in transformer.named_parameters() if p.requires_grad]
+        named = [(f"{name}.{n}", p) for name, network in networks.items()
+                 for n, p in network.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         for p in self.params:
             p.data = p.data.float()
+        self.engine.broadcast_params(self.params)
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=cfg.eps
         )
@@ -116,7 +138,7 @@ class LocalActor:
         self.old_params = [p.detach().clone() for p in self.params] if keep_old else None
         self.num_updates = 0
         self.generator = torch.Generator().manual_seed(0)
-        self._masked: list[torch.Tensor] = []
+        self._masked: list = []
 
     @property
     def num_trainable(self) -> int:
@@ -125,25 +147,29 @@ class LocalActor:
     # ------------------------------------------------------------------------------------ policy contexts
     @contextmanager
     def reference(self):
-        """Run the adapter's network as the reference policy: LoRA disabled, or the frozen initial copy."""
-        if self.lora:
-            self.adapter.transformer.disable_adapters()
-            try:
+        """Run the adapter's networks as the reference policy: LoRA disabled, or the frozen initial copies."""
+        if not self.lora:
+            with self._swap_networks(self.reference_models):
                 yield
-            finally:
-                self.adapter.transformer.enable_adapters()
-        else:
-            with self._swap_network(self.reference_model):
-                yield
-
-    @contextmanager
-    def _swap_network(self, network: torch.nn.Module):
-        trained = self.adapter.transformer
-        self.adapter.transformer = network
+            return
+        networks = list(self.adapter.modules().values())
+        for network in networks:
+            network.disable_adapters()
         try:
             yield
         finally:
-            self.adapter.transformer = trained
+            for network in networks:
+                network.enable_adapters()
+
+    @contextmanager
+    def _swap_networks(self, replacements: dict[str, torch.nn.Module]):
+        live = self.adapter.modules()
+        trained = dict(live)
+        live.update(replacements)
+        try:
+            yield
+        finally:
+            live.update(trained)
 
     @contextmanager
     def _swap_old(self):
@@ -159,7 +185,7 @@ class LocalActor:
                 p.data, o.data = o.data, p.data
 
     def policy(self, name: str):
-        """A context in which the adapter's network is the named policy (see the module docstring)."""
+        """A context in which the adapter's networks are the named policy (see the module docstring)."""
         if name == "current":
             return nullcontext()
         if name == "reference":
@@ -167,37 +193,41 @@ class LocalActor:
         if name == "old":
             return self._swap_old()
         if name == "teacher":
-            if self.teacher_model is None:
+            if self.teacher_models is None:
                 raise RuntimeError("the `teacher` policy needs algorithm.teacher_path")
-            return self._swap_network(self.teacher_model)
+            return self._swap_networks(self.teacher_models)
         raise ValueError(f"unknown policy {name!r}; allowed: current, reference, old, teacher")
 
     def sampling_policy(self):
         """The policy the rollout samples from: `old` for algorithms that declare samples_from_old."""
         return self.policy("old" if self.algo.samples_from_old else "current")
 
+    def train_mode(self, training: bool) -> None:
+        for network in self.adapter.modules().values():
+            network.train(training)
+
     # ------------------------------------------------------------------------------------ PolicyEvaluator
     def _cond(self, batch: Rollout, dev):
-        cond = {key: v.to(dev) for key, v in batch.cond.items()}
-        neg = batch.neg_for(len(batch))
-        return cond, None if neg is None else {key: v.to(dev) for key, v in neg.items()}
+        return {k: v.to(dev) for k, v in batch.cond.items()}, {k: v.to(dev) for k, v in batch.shared.items()}
 
-    def velocity(self, batch: Rollout, latents: torch.Tensor, sigma: torch.Tensor, policy: str = "current",
-                 guidance: float | None = None) -> torch.Tensor:
+    def velocity(self, batch: Rollout, latents: Latents, sigma: torch.Tensor, policy: str = "current",
+                 guidance: float | None = None) -> Latents:
         dev = self.adapter.device
-        cond, neg = self._cond(batch, dev)
-        g = self.plan.guidance_scale if guidance is None else guidance
+        cond, shared = self._cond(batch, dev)
+        g = self.plan.guidance.scale if guidance is None else guidance
         with self.policy(policy):
-            return self.adapter.velocity(latents.to(dev), sigma.to(dev), cond, neg, g)
+            return self.adapter.velocity({k: v.to(dev) for k, v in latents.items()}, sigma.to(dev), cond, shared, g)
 
     def step(self, batch: Rollout, k: int, policy: str = "current") -> StepOut:
         dev = self.adapter.device
-        x, x_next = batch.latents[:, k].to(dev), batch.latents[:, k + 1].to(dev)
+        x = {name: v.to(dev) for name, v in select_step(batch.latents, k).items()}
+        x_next = {name: v.to(dev) for name, v in select_step(batch.latents, k + 1).items()}
         sigma, sigma_next = batch.sigmas[:, k].to(dev), batch.sigmas[:, k + 1].to(dev)
-        cond, neg = self._cond(batch, dev)
+        cond, shared = self._cond(batch, dev)
         with self.policy(policy):
-            v = self.adapter.velocity(x, sigma, cond, neg, self.plan.guidance_scale)
-        out = self.step_fn(x, v, sigma, sigma_next, batch.noise_levels[:, k].to(dev), self.sigma_1, prev=x_next)
+            v = self.adapter.velocity(x, sigma, cond, shared, self.plan.guidance.scale)
+        out = step_latents(self.step_fn, x, v, sigma, sigma_next, batch.noise_levels[:, k].to(dev), self.sigma_1,
+                           prev=x_next)
         if policy == "current":
             out.weight = self._weight(batch, k, out.log_prob.detach())
         return out
@@ -207,7 +237,7 @@ class LocalActor:
         weight = None if batch.step_weights is None else batch.step_weights[:, k].to(log_prob)
         if self.correction.mode == "bypass" and self.bounds is not None:
             mask = in_bounds(log_prob - batch.log_probs[:, k].to(log_prob), self.bounds)
-            self._masked.append(1 - mask.mean())
+            self._masked.append((1 - mask.mean(), len(mask)))
             weight = mask if weight is None else weight * mask
         return weight
 
@@ -223,66 +253,78 @@ class LocalActor:
             return {"time/old_logprob": 0.0}
         t0 = time.perf_counter()
         old_policy = "old" if self.algo.samples_from_old else "current"
-        micro = self.cfg.micro_batch_size or len(batch)
+        micro = self.cfg.micro_batch_size or max(len(batch), 1)
         lps, means = [], []
         for part in torch.arange(len(batch)).split(micro):
             sub = batch.select(part)
             outs = [self.step(sub, k, policy=old_policy) for k in range(batch.log_probs.shape[1])]
             lps.append(torch.stack([o.log_prob for o in outs], 1).float())
-            means.append(torch.stack([o.mean for o in outs], 1).float())
-        batch.old_log_probs, batch.old_means = torch.cat(lps), torch.cat(means)
-        delta = batch.old_log_probs - batch.log_probs
-        stats = {"correction/abs_dlogp": float(delta.abs().mean()), "correction/max_abs_dlogp": float(delta.abs().max())}
+            means.append({name: torch.stack([o.mean[name] for o in outs], 1).float() for name in outs[0].mean})
+        batch.old_log_probs = torch.cat(lps)
+        batch.old_means = {name: torch.cat([m[name] for m in means]) for name in means[0]}
+        delta = (batch.old_log_probs - batch.log_probs).abs()
+        n = delta.numel()
+        stats = {"correction/abs_dlogp": [(delta.mean(), n)], "correction/max_abs_dlogp": [(delta.max(), 1)]}
         if mode == "decoupled":
             weight, mask = correction_weights(batch.old_log_probs, batch.log_probs, self.correction.is_cap, self.bounds)
             batch.step_weights = weight * mask
-            stats.update({"correction/is_weight_mean": float(weight.mean()), "correction/is_weight_max": float(weight.max()),
-                          "correction/is_weight_min": float(weight.min()), "correction/masked_frac": float(1 - mask.mean())})
-        stats["time/old_logprob"] = time.perf_counter() - t0
-        return stats
+            stats.update({"correction/is_weight_mean": [(weight.mean(), n)], "correction/is_weight_max": [(weight.max(), 1)],
+                          "correction/is_weight_min": [(weight.min(), 1)], "correction/masked_frac": [(1 - mask.mean(), n)]})
+        out = mean_stats(stats, self.engine)
+        out["time/old_logprob"] = time.perf_counter() - t0
+        return out
 
     # ------------------------------------------------------------------------------------ update
     def update(self, algo, batch: Rollout, generator: torch.Generator) -> dict[str, float]:
-        """`num_minibatches` optimizer steps over a shuffled batch; each accumulates every loss term."""
+        """`num_minibatches` optimizer steps over a shuffled global batch; each accumulates every loss term.
+
+        With several ranks each holds a contiguous share of the global batch: the shuffled order and the
+        mini-batches are global, each rank runs its own samples of a mini-batch, and every loss is normalised by
+        the global mini-batch size, so the summed gradient equals the 1-process one.
+        """
         self.generator = generator
         # one copy to the device per update, not one per micro-batch and step: the conditioning alone is
         # ~100 MB per SD3 micro-batch, and every host-to-device copy from pageable memory stalls the GPU queue
         batch = algo.prepare(batch).to(self.adapter.device)
-        b = len(batch)
-        stats: dict[str, list] = {"train/samples": [float(b)]}
+        sizes = [int(n) for n in self.engine.gather(torch.tensor([len(batch)], device=self.engine.device)).tolist()]
+        b, offset = sum(sizes), sum(sizes[: self.engine.rank])
         if b == 0:  # e.g. online DPO when every group's rewards are equal: nothing to learn from
             self._update_old(algo)
             return {"train/samples": 0.0}
         extra = self.prepare_old(batch)
         self._masked = []
-        terms = algo.num_terms(batch)
+        terms = algo.num_terms(batch) if len(batch) else 1
+        stats: dict[str, list] = {}
         order = torch.randperm(b, generator=generator)
-        self.adapter.transformer.train()
+        self.train_mode(True)
         for i, mb in enumerate(order.chunk(min(self.cfg.num_minibatches, b))):
             self.optimizer.zero_grad(set_to_none=True)
-            micro = self.cfg.micro_batch_size or len(mb)
-            for part in mb.split(micro):
+            mine = mb[(mb >= offset) & (mb < offset + len(batch))] - offset
+            micro = self.cfg.micro_batch_size or max(len(mine), 1)
+            for part in mine.split(micro):
                 sub = batch.select(part)
                 for k in range(terms):
                     loss, st = algo.step_loss(self, sub, k)
                     (loss * (len(part) / len(mb)) / terms).backward()
                     # stats stay on the device until the update ends: a float() here would sync every step
                     for name, value in st.items():
-                        stats.setdefault(name, []).append(value.detach() if torch.is_tensor(value) else value)
+                        stats.setdefault(name, []).append((value.detach() if torch.is_tensor(value) else value, len(part)))
                     if i == 0 and "ratio_absdev" in st:
                         # before any update the ratio is 1 up to rollout-vs-training kernel differences: this is
                         # that difference, the number rollout correction exists for (§4)
-                        stats.setdefault("ratio_absdev/first_minibatch", []).append(st["ratio_absdev"].detach())
+                        stats.setdefault("ratio_absdev/first_minibatch", []).append((st["ratio_absdev"].detach(), len(part)))
+            self.engine.all_reduce_grads(self.params)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
             if not torch.isfinite(grad_norm):
-                raise FloatingPointError(f"non-finite gradient norm {grad_norm} (loss {float(loss)})")
+                raise FloatingPointError(f"non-finite gradient norm {grad_norm}")
             self.optimizer.step()
-            stats.setdefault("grad_norm", []).append(grad_norm.detach())
-        self.adapter.transformer.eval()
+            stats.setdefault("grad_norm", []).append((grad_norm.detach(), 1))
+        self.train_mode(False)
         self._update_old(algo)
         if self._masked:
             stats["correction/masked_frac"] = self._masked
-        out = mean_stats(stats)
+        out = mean_stats(stats, self.engine)
+        out["train/samples"] = float(b)
         out.update(extra)
         return out
 
@@ -298,21 +340,31 @@ class LocalActor:
 
     # ------------------------------------------------------------------------------------ weights
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        if self.lora:
-            from peft.utils import get_peft_model_state_dict
+        """Keys `<network>.<parameter>` (diffusers' pipeline LoRA layout: `transformer.…lora_A.weight`)."""
+        out = {}
+        for name, network in self.adapter.modules().items():
+            if self.lora:
+                from peft.utils import get_peft_model_state_dict
 
-            return {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(self.adapter.transformer).items()}
-        return {k: v.detach().contiguous() for k, v in self.adapter.transformer.state_dict().items()}
+                state = get_peft_model_state_dict(network)
+            else:
+                state = network.state_dict()
+            out.update({f"{name}.{k}": v.detach().contiguous() for k, v in state.items()})
+        return out
 
     def save_weights(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        name = "adapter_model.safetensors" if self.lora else "transformer.safetensors"
-        save_file(self.trainable_state(), str(directory / name))
+        state = self.trainable_state()
+        if self.lora:  # one file, keys `<network>.<peft key>` (the diffusers pipeline LoRA layout)
+            save_file(state, str(directory / "adapter_model.safetensors"))
+        else:  # one file per network: `transformer.safetensors`, ...
+            for name, part in split_by_network(state, list(self.adapter.modules())).items():
+                save_file(part, str(directory / f"{name}.safetensors"))
         if self.old_params is not None:  # the EMA / old policy, so that a resumed run continues exactly
             save_file({n: o.contiguous() for n, o in zip(self.param_names, self.old_params, strict=True)},
                       str(directory / "old_weights.safetensors"))
         meta = {"lora": self.lora, "lora_rank": self.cfg.lora_rank, "lora_alpha": self.cfg.lora_alpha,
-                "lora_targets": list(self.cfg.lora_targets) if self.cfg.lora_targets else self.adapter.default_lora_targets,
+                "lora_targets": self.lora_targets, "networks": list(self.adapter.modules()),
                 "updates": self.num_updates}
         (directory / "weights.json").write_text(json.dumps(meta, indent=2))
 
@@ -329,22 +381,36 @@ class LocalActor:
                 o.copy_(state[n])
 
 
-def load_trained_weights(adapter: GeneratorAdapter, directory: Path, lora_already_added: bool = False) -> None:
-    """Load a checkpoint's weights (LoRA adapter or full transformer) into `adapter.transformer`."""
+def split_by_network(state: dict[str, torch.Tensor], names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    out: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
+    for key, value in state.items():
+        net, _, rest = key.partition(".")
+        if net not in out:
+            raise ValueError(f"checkpoint tensor {key!r} belongs to no network of this model ({', '.join(names)})")
+        out[net][rest] = value
+    return out
+
+
+def load_trained_weights(adapter: DiffusionPolicy, directory: Path, lora_already_added: bool = False) -> None:
+    """Load a checkpoint's weights (LoRA adapters or full networks) into `adapter.modules()`."""
     directory = Path(directory)
     meta_path = directory / "weights.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"{directory} is not a polyrl checkpoint (no weights.json)")
     meta = json.loads(meta_path.read_text())
+    networks = adapter.modules()
+    if meta.get("networks", list(networks)) != list(networks):
+        raise ValueError(f"{directory} holds networks {meta.get('networks')}, this model has {list(networks)}")
     if meta["lora"]:
         from peft.utils import set_peft_model_state_dict
 
-        if not lora_already_added:
-            add_lora(adapter.transformer, meta["lora_rank"], meta["lora_alpha"], meta["lora_targets"])
-        state = load_file(str(directory / "adapter_model.safetensors"))
-        result = set_peft_model_state_dict(adapter.transformer, state)
-        if getattr(result, "unexpected_keys", None):
-            raise ValueError(f"{directory}: adapter keys not in the model: {result.unexpected_keys[:5]}")
+        parts = split_by_network(load_file(str(directory / "adapter_model.safetensors")), list(networks))
+        for name, network in networks.items():
+            if not lora_already_added:
+                add_lora(network, meta["lora_rank"], meta["lora_alpha"], meta["lora_targets"])
+            result = set_peft_model_state_dict(network, parts[name])
+            if getattr(result, "unexpected_keys", None):
+                raise ValueError(f"{directory}: adapter keys not in the model: {result.unexpected_keys[:5]}")
     else:
-        state = load_file(str(directory / "transformer.safetensors"))
-        adapter.transformer.load_state_dict(state)
+        for name, network in networks.items():
+            network.load_state_dict(load_file(str(directory / f"{name}.safetensors")))

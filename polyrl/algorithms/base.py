@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from ..batch import Rollout
+from ..latents import Latents
 from ..registry import Registry
 from ..sampling.steps import StepOut
 from .advantage import group_advantages
@@ -30,8 +31,8 @@ class PolicyEvaluator(Protocol):
         """
         ...
 
-    def velocity(self, batch: Rollout, latents: torch.Tensor, sigma: torch.Tensor, policy: str = "current",
-                 guidance: float | None = None) -> torch.Tensor:
+    def velocity(self, batch: Rollout, latents: Latents, sigma: torch.Tensor, policy: str = "current",
+                 guidance: float | None = None) -> Latents:
         """The network's velocity at arbitrary latents (forward-process losses); guidance None = the rollout's."""
         ...
 
@@ -77,8 +78,9 @@ def weighted_mean(per_sample: torch.Tensor, weight: torch.Tensor | None) -> torc
     return per_sample.mean() if weight is None else (per_sample * weight.to(per_sample)).mean()
 
 
-def compute_advantages(algo: Algorithm, batch: Rollout) -> torch.Tensor:
-    return group_advantages(batch.rewards, batch.group_ids, algo.adv_std, algo.adv_clip_max)
+def compute_advantages(algo: Algorithm, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Advantages of a whole step's rewards (every rank's: group and global statistics span the global batch)."""
+    return group_advantages(rewards, group_ids, algo.adv_std, algo.adv_clip_max)
 
 
 ALGORITHMS = Registry("algorithm")

@@ -1,7 +1,8 @@
 """Diffusion-DPO (ALGORITHMS.md §3, Wallace et al. 2023): preference pairs, shared noise and timestep.
 
 Online: the best and the worst sample of each group form a pair (groups whose rewards are all equal give none).
-Offline: pairs from a dataset (`polyrl/data/pairs.py`), encoded into `final` / `pair_final` latents; the same loss.
+Offline: pairs from a dataset (`polyrl/data/pairs.py`), encoded into `final` / `extras["pair_final"]` latents; the
+same loss. A pair batch carries the rejected sample's clean latents in `extras["pair_final"]`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..batch import Rollout
+from ..latents import per_sample, sample_mean
 from .base import AlgorithmBase, PolicyEvaluator, register_algorithm, weighted_mean
 
 
@@ -47,30 +49,32 @@ class DiffusionDPO(AlgorithmBase):
         return self.num_timesteps
 
     def prepare(self, batch: Rollout) -> Rollout:
-        if batch.pair_final is not None:  # already pairs (offline data)
+        if "pair_final" in batch.extras:  # already pairs (offline data)
             return batch
         win, lose = best_worst_pairs(batch.rewards, batch.group_ids)
         pairs = batch.select(win)
-        pairs.pair_final = batch.final[lose]
+        pairs.extras["pair_final"] = {k: v[lose] for k, v in batch.final.items()}
         return pairs
 
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
-        x0_w, x0_l = batch.final, batch.pair_final
+        x0_w, x0_l = batch.final, batch.extras["pair_final"]
         b = len(batch)
+        device = next(iter(x0_w.values())).device
         # drawn on the CPU from the update's generator (reproducible on any device), then moved to the batch's
-        t = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(b, generator=policy.generator)).to(x0_w.device)
-        eps = torch.randn(x0_w.shape, generator=policy.generator).to(x0_w.device)
-        t_ = t.view(-1, 1, 1, 1)
-        x_t = torch.cat([(1 - t_) * x0_w + t_ * eps, (1 - t_) * x0_l + t_ * eps])
-        target = torch.cat([eps - x0_w, eps - x0_l])
+        t = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(b, generator=policy.generator)).to(device)
+        x_t, target = {}, {}
+        for k in x0_w:  # winner and loser share the noise and the timestep
+            eps = torch.randn(x0_w[k].shape, generator=policy.generator).to(device)
+            t_ = per_sample(t, eps)
+            x_t[k] = torch.cat([(1 - t_) * x0_w[k] + t_ * eps, (1 - t_) * x0_l[k] + t_ * eps])
+            target[k] = torch.cat([eps - x0_w[k], eps - x0_l[k]])
         both = Rollout.cat([batch, batch])
         tt = torch.cat([t, t])
         v = policy.velocity(both, x_t, tt, guidance=1.0)
         with torch.no_grad():
             v_ref = policy.velocity(both, x_t, tt, policy="reference", guidance=1.0)
-        target = target.to(v.device)
-        err = ((v - target) ** 2).flatten(1).mean(1)
-        ref_err = ((v_ref - target) ** 2).flatten(1).mean(1)
+        err = sample_mean({k: (v[k] - target[k].to(v[k].device)) ** 2 for k in v})
+        ref_err = sample_mean({k: (v_ref[k] - target[k].to(v_ref[k].device)) ** 2 for k in v})
         per_pair, z = dpo_loss(err[:b], err[b:], ref_err[:b], ref_err[b:], self.beta)
         loss = weighted_mean(per_pair, None)
         stats = {"loss": loss.detach(), "policy_loss": loss.detach(), "dpo/accuracy": (z.detach() > 0).float().mean(),

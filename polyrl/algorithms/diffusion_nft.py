@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..batch import Rollout
+from ..latents import entries, per_sample, sample_mean
 from .base import AlgorithmBase, PolicyEvaluator, register_algorithm, weighted_mean
 
 
@@ -17,15 +18,18 @@ def nft_loss(v_theta, v_old, x_t, x0, t, advantages, adv_clip: float, mix_beta: 
     p = clamp(A, −C, C)/(2C) + ½, v⁺ = β·v_θ + (1−β)·v_old, v⁻ = (1+β)·v_old − β·v_θ, x̂0^± = x_t − t·v^±,
     w^± = stopgrad(max(mean_d |x̂0^± − x0|, 1e-5)). Returns (per-sample loss, stats)."""
     c, beta = adv_clip, mix_beta
-    t_ = t.view(-1, *([1] * (x0.dim() - 1)))
+    v_theta, v_old, x_t, x0 = entries(v_theta), entries(v_old), entries(x_t), entries(x0)
     p = advantages.clamp(-c, c) / (2 * c) + 0.5
-    v_pos = beta * v_theta + (1 - beta) * v_old
-    v_neg = (1 + beta) * v_old - beta * v_theta
-    x0_pos, x0_neg = x_t - t_ * v_pos, x_t - t_ * v_neg
-    w_pos = (x0_pos - x0).abs().flatten(1).mean(1).clamp(min=1e-5).detach()
-    w_neg = (x0_neg - x0).abs().flatten(1).mean(1).clamp(min=1e-5).detach()
-    err_pos = ((x0_pos - x0) ** 2).flatten(1).mean(1)
-    err_neg = ((x0_neg - x0) ** 2).flatten(1).mean(1)
+    x0_pos, x0_neg = {}, {}
+    for k in x0:  # every latent entry; the means below are joint over all of them
+        t_ = per_sample(t, x0[k])
+        v_pos = beta * v_theta[k] + (1 - beta) * v_old[k]
+        v_neg = (1 + beta) * v_old[k] - beta * v_theta[k]
+        x0_pos[k], x0_neg[k] = x_t[k] - t_ * v_pos, x_t[k] - t_ * v_neg
+    w_pos = sample_mean({k: (x0_pos[k] - x0[k]).abs() for k in x0}).clamp(min=1e-5).detach()
+    w_neg = sample_mean({k: (x0_neg[k] - x0[k]).abs() for k in x0}).clamp(min=1e-5).detach()
+    err_pos = sample_mean({k: (x0_pos[k] - x0[k]) ** 2 for k in x0})
+    err_neg = sample_mean({k: (x0_neg[k] - x0[k]) ** 2 for k in x0})
     loss = c * (p * err_pos / w_pos + (1 - p) * err_neg / w_neg) / beta
     return loss, {"nft/err_pos": err_pos.detach().mean(), "nft/err_neg": err_neg.detach().mean()}
 
@@ -63,23 +67,26 @@ class DiffusionNFT(AlgorithmBase):
 
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
         x0 = batch.final
+        device = next(iter(x0.values())).device
         lo, hi = self.timestep_range
         # drawn on the CPU from the update's generator (reproducible on any device), then moved to the batch's
-        t = (lo + (hi - lo) * torch.rand(len(batch), generator=policy.generator)).to(x0.device)
-        eps = torch.randn(x0.shape, generator=policy.generator).to(x0.device)
-        x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
+        t = (lo + (hi - lo) * torch.rand(len(batch), generator=policy.generator)).to(device)
+        x_t = {}
+        for k, v in x0.items():
+            eps = torch.randn(v.shape, generator=policy.generator).to(device)
+            x_t[k] = (1 - per_sample(t, v)) * v + per_sample(t, v) * eps
         with torch.no_grad():
             v_old = policy.velocity(batch, x_t, t, policy="old", guidance=1.0)
         v = policy.velocity(batch, x_t, t, guidance=1.0)
-        dev = v.device
-        per_sample, stats = nft_loss(v, v_old, x_t.to(dev), x0.to(dev), t.to(dev), batch.advantages.to(dev),
-                                     self.adv_clip_max, self.mix_beta)
-        loss = weighted_mean(per_sample, None)
+        dev = next(iter(v.values())).device
+        losses, stats = nft_loss(v, v_old, {k: x.to(dev) for k, x in x_t.items()}, {k: x.to(dev) for k, x in x0.items()},
+                                 t.to(dev), batch.advantages.to(dev), self.adv_clip_max, self.mix_beta)
+        loss = weighted_mean(losses, None)
         stats["policy_loss"] = loss.detach()
         if self.ref_coef > 0:
             with torch.no_grad():
                 v_ref = policy.velocity(batch, x_t, t, policy="reference", guidance=1.0)
-            ref_term = ((v - v_ref) ** 2).mean()
+            ref_term = sample_mean({k: (v[k] - v_ref[k]) ** 2 for k in v}).mean()
             loss = loss + self.ref_coef * ref_term
             stats["ref_mse"] = ref_term.detach()
         stats["loss"] = loss.detach()

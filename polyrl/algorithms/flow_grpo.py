@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..batch import Rollout
+from ..latents import Latents, entries, per_sample, sample_mean
 from .base import AlgorithmBase, PolicyEvaluator, register_algorithm, weighted_mean
 
 
@@ -22,15 +23,20 @@ def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages
     return weighted_mean(torch.maximum(unclipped, clipped), weight), ratio, (clipped > unclipped)
 
 
-def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+def scaled_sq_dist(mean: Latents | torch.Tensor, other: Latents | torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """mean_d (μ − μ')² / (2·s²) per sample over every latent entry (one joint mean, §1); s = 0 is divided by 1."""
+    s2 = torch.where(std > 0, std, torch.ones_like(std)) ** 2
+    mean, other = entries(mean), entries(other)
+    return sample_mean({k: (mean[k] - other[k]) ** 2 / (2 * per_sample(s2, mean[k])) for k in mean})
+
+
+def gaussian_mean_kl(mean: Latents | torch.Tensor, ref_mean: Latents | torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """KL between two Gaussian transitions of equal std: mean_d (μ_θ − μ_ref)² / (2·std²), per sample.
 
     `std` is the transition std (for `sde`: a·sqrt(σ/(1−σ̃))·sqrt(−dt)), so this is the exact per-element KL.
     A deterministic step (std = 0, e.g. `cps` into σ' = 0) is not a trained transition: its KL is reported as 0.
     """
-    std = std.view(-1, *([1] * (mean.dim() - 1)))
-    s2 = torch.where(std > 0, std, torch.ones_like(std)) ** 2
-    kl = ((mean - ref_mean) ** 2 / (2 * s2)).flatten(1).mean(1)
+    kl = scaled_sq_dist(mean, ref_mean, std)
     return torch.where(std.flatten() > 0, kl, torch.zeros_like(kl))
 
 
@@ -52,10 +58,11 @@ def old_log_prob(batch: Rollout, k: int, like: torch.Tensor) -> torch.Tensor:
     return old[:, k].to(like.device)
 
 
-def old_mean(batch: Rollout, k: int, like: torch.Tensor) -> torch.Tensor:
+def old_mean(batch: Rollout, k: int, like: Latents) -> Latents:
     if batch.old_means is None:
         raise RuntimeError("this loss needs the old policy's transition means (Rollout.old_means), which the batch lacks")
-    return batch.old_means[:, k].to(like.device)
+    device = next(iter(like.values())).device
+    return {name: v[:, k].to(device) for name, v in batch.old_means.items()}
 
 
 @register_algorithm("flow_grpo")

@@ -6,7 +6,7 @@ import torch
 
 from ..batch import Rollout
 from .base import AlgorithmBase, PolicyEvaluator, register_algorithm
-from .flow_grpo import add_reference_kl, old_log_prob, old_mean, ppo_clip_loss
+from .flow_grpo import add_reference_kl, old_log_prob, old_mean, ppo_clip_loss, scaled_sq_dist
 
 
 def guard_log_ratio(log_prob, old_log_prob, mean, old_mean, std) -> torch.Tensor:
@@ -15,8 +15,7 @@ def guard_log_ratio(log_prob, old_log_prob, mean, old_mean, std) -> torch.Tensor
     For x' = μ_old + s·z this equals mean_d(z ⊙ (μ_θ − μ_old)) exactly: the −Δμ²/(2s²) bias of the
     single-sample log-ratio cancels and the 1/s scale that grows at low noise is removed.
     """
-    s = std.view(-1, *([1] * (mean.dim() - 1)))
-    bias = ((mean - old_mean) ** 2 / (2 * s**2)).flatten(1).mean(1)
+    bias = scaled_sq_dist(mean, old_mean, std)
     return (log_prob - old_log_prob + bias) * std
 
 

@@ -32,11 +32,17 @@ def cmd_train(args: list[str]) -> int:
 
     cfg = load_config(args)
     trainer = Trainer(cfg)
-    print(f"polyrl: run directory {trainer.run_dir} ({trainer.actor.num_trainable:,} trainable parameters, "
-          f"device {trainer.device})", file=sys.stderr)
-    history = trainer.fit()
+    main = trainer.engine.is_main
+    if main:
+        ranks = f", {trainer.engine.world_size} data-parallel ranks" if trainer.engine.world_size > 1 else ""
+        print(f"polyrl: run directory {trainer.run_dir} ({trainer.actor.num_trainable:,} trainable parameters, "
+              f"device {trainer.device}{ranks})", file=sys.stderr)
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
     evals = [m["eval/reward_mean"] for m in history if "eval/reward_mean" in m]
-    if evals:
+    if evals and main:
         print(f"polyrl: held-out reward {evals[0]:.4f} -> {evals[-1]:.4f}", file=sys.stderr)
     return 0
 
@@ -56,10 +62,11 @@ def cmd_sample(args: list[str]) -> int:
     from ..actor.local import load_trained_weights
     from ..config import validate
     from ..data.prompts import load_prompts
+    from ..distributed.engine import pick_device
     from ..models import build_model
     from ..rewards import build_reward
-    from ..trainer.logging import save_grid
-    from ..trainer.loop import evaluate, pick_device, plan_from_config
+    from ..trainer.logging import save_samples
+    from ..trainer.loop import evaluate, plan_from_config
 
     special, rest = _split_special(args, ("checkpoint", "n", "out"))
     if "checkpoint" not in special:
@@ -74,16 +81,17 @@ def cmd_sample(args: list[str]) -> int:
     rows = load_prompts(cfg.data.heldout_path or cfg.data.path)
     n = int(special.get("n", cfg.trainer.num_validation))
     reward = build_reward(OmegaConf.to_container(cfg.reward))
-    mean, batch = evaluate(adapter, reward, cfg, rows, plan_from_config(cfg.rollout), n)
+    plan = plan_from_config(cfg.rollout)
+    mean, batch = evaluate(adapter, reward, cfg, rows, plan, n)
     out = Path(special.get("out", ckpt / "samples.png"))
-    save_grid(batch.images, batch.prompts, batch.rewards.tolist(), out)
-    print(f"polyrl: wrote {out} ({n} images, mean reward {mean:.4f})")
+    written = save_samples(batch, out.with_suffix(""), plan.shape.fps)
+    print(f"polyrl: wrote {', '.join(map(str, written))} ({n} samples, mean reward {mean:.4f})")
     return 0
 
 
 def cmd_pretrain_toy(args: list[str]) -> int:
     from ..config import ASSETS
-    from ..toy.pretrain import pretrain_toy
+    from .pretrain_toy import pretrain_toy
 
     p = argparse.ArgumentParser(prog="polyrl pretrain-toy", description="train the embedded toy base model")
     p.add_argument("--out", default=str(ASSETS / "toy_shapes"))
@@ -102,7 +110,7 @@ def cmd_pretrain_toy(args: list[str]) -> int:
 
 
 def cmd_bench(args: list[str]) -> int:
-    from ..perf.bench import main as bench_main
+    from .bench import main as bench_main
 
     return bench_main(args)
 

@@ -93,17 +93,17 @@ def load_image(path: str, height: int, width: int) -> torch.Tensor:
 
 @torch.no_grad()
 def pair_batch(adapter, rows: list[dict], height: int, width: int) -> Rollout:
-    """Encode a list of pair rows into a DPO training batch (chosen → `final`, rejected → `pair_final`)."""
+    """Encode a list of pair rows into a DPO training batch (chosen → `final`, rejected → `extras["pair_final"]`)."""
     prompts = [r["prompt"] for r in rows]
     chosen = torch.stack([load_image(r["chosen"], height, width) for r in rows])
     rejected = torch.stack([load_image(r["rejected"], height, width) for r in rows])
-    final = adapter.encode_images(chosen).float().cpu()
-    pair_final = adapter.encode_images(rejected).float().cpu()
+    final = {k: v.float().cpu() for k, v in adapter.encode_media({"images": chosen}).items()}
+    pair_final = {k: v.float().cpu() for k, v in adapter.encode_media({"images": rejected}).items()}
     b = len(rows)
     cond = adapter.encode_prompts(prompts)
     return Rollout(
         prompts=prompts, metadata=[{k: v for k, v in r.items() if k not in PAIR_FIELDS} for r in rows],
-        group_ids=torch.arange(b), cond={k: v.cpu() for k, v in cond.items()}, neg=None,
-        latents=final[:, None], log_probs=torch.zeros(b, 0), sigmas=torch.zeros(b, 1), noise_levels=torch.zeros(b, 0),
-        final=final, pair_final=pair_final,
+        group_ids=torch.arange(b), cond={k: v.cpu() for k, v in cond.items()}, shared={},
+        latents={k: v[:, None] for k, v in final.items()}, log_probs=torch.zeros(b, 0), sigmas=torch.zeros(b, 1),
+        noise_levels=torch.zeros(b, 0), final=final, extras={"pair_final": pair_final},
     )

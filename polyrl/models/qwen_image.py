@@ -19,15 +19,13 @@ Facts taken from diffusers' `QwenImagePipeline` (0.42.1), which this adapter rep
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..perf.flops import qwen_image_forward_flops
-from .base import Cond, register_model
-from .sd3 import _DTYPES, _load_component, pipeline_components
+from ..latents import Latents, MediaShape
+from .base import Cond, Media, Prompt, register_model, text_only
+from .diffusers_base import DiffusersPolicy, frozen
 
 # The template Qwen-Image was trained with, and the number of its leading tokens that are dropped (the system
 # prompt and user header); both are the model's, not polyrl's choice.
@@ -46,6 +44,25 @@ QWEN_IMAGE_LORA_TARGETS = [
 
 
 # ----------------------------------------------------------------------------------------------- pure math
+def qwen_image_forward_flops(config, image_tokens: int, text_tokens: int) -> float:
+    """Qwen-Image dual-stream MM-DiT (`QwenImageTransformer2DModel`), one sample with `image_tokens` packed 2×2
+    patches and `text_tokens` (padded) text tokens (ALGORITHMS.md §6).
+
+    Per block, each stream has its own q/k/v/out (4d²) and GELU MLP (d → 4d → d, 8d²) applied to its own tokens,
+    and the joint attention runs over N+T tokens; the per-sample modulation linears are img_mod and txt_mod
+    (d → 6d each). Plus img_in (4C → d), txt_in (joint → d), the timestep embedder (256 → d → d), the output
+    AdaLayerNormContinuous (d → 2d) and proj_out (d → 4·C_out).
+    """
+    c = config
+    d = c.num_attention_heads * c.attention_head_dim
+    n, t, layers = image_tokens, text_tokens, c.num_layers
+    p2 = c.patch_size**2
+    per_sample = 2 * (256 * d + d * d) + 2 * d * 2 * d + layers * 2 * (2 * d * 6 * d)
+    flops = 2 * n * c.in_channels * d + 2 * t * c.joint_attention_dim * d + 2 * n * d * p2 * c.out_channels
+    flops += layers * (2 * (n + t) * 12 * d * d + 4 * (n + t) ** 2 * d)
+    return float(flops + per_sample)
+
+
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
     """(B, C, h, w) -> (B, h/2·w/2, 4C): token (i, j) holds the 2×2 patch at rows 2i..2i+1, cols 2j..2j+1, features
     ordered (channel, row in patch, col in patch)."""
@@ -89,54 +106,49 @@ def pad_text(embeds: list[torch.Tensor], length: int | None = None) -> tuple[tor
     return out, mask
 
 
-def _repad(cond: Cond, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def repad(cond: Cond, length: int) -> Cond:
+    """Text conditioning right-padded (zeros, mask False) to `length` tokens."""
     e, m = cond["prompt_embeds"], cond["prompt_mask"]
     extra = length - e.shape[1]
-    return F.pad(e, (0, 0, 0, extra)), F.pad(m, (0, extra), value=False)
+    return {"prompt_embeds": F.pad(e, (0, 0, 0, extra)), "prompt_mask": F.pad(m, (0, extra), value=False)}
 
 
 # ----------------------------------------------------------------------------------------------- adapter
 @register_model("qwen_image")
-class QwenImageAdapter:
+class QwenImagePolicy(DiffusersPolicy):
     default_lora_targets = QWEN_IMAGE_LORA_TARGETS
+    family = "Qwen-Image"
 
     def __init__(self, cfg, device: torch.device):
-        root = Path(cfg.path)
-        present = pipeline_components(root, ("transformer", "vae", "scheduler", "text_encoder", "tokenizer"), "Qwen-Image")
-        dtype = _DTYPES[cfg.dtype]
-        self.device, self.dtype = device, dtype
-        self.transformer = _load_component(root, "transformer", present["transformer"], dtype).to(device)
-        self.vae = _load_component(root, "vae", present["vae"], torch.float32).to(device).eval().requires_grad_(False)
-        self.scheduler = _load_component(root, "scheduler", present["scheduler"], None)
-        self.text_encoder = _load_component(root, "text_encoder", present["text_encoder"], dtype).to(device)
-        self.text_encoder.eval().requires_grad_(False)
-        self.tokenizer = _load_component(root, "tokenizer", present["tokenizer"], None)
+        super().__init__(cfg, device, ("transformer", "vae", "scheduler", "text_encoder", "tokenizer"))
+        self.networks["transformer"] = self.load("transformer", self.dtype).to(device)
+        self.vae = frozen(self.load("vae", torch.float32), device)
+        self.scheduler = self.load("scheduler")
+        self.text_encoder = frozen(self.load("text_encoder", self.dtype), device)
+        self.tokenizer = self.load("tokenizer")
         self.max_sequence_length = int(cfg.max_sequence_length)
         self.vae_scale_factor = 2 ** len(self.vae.config.temperal_downsample)
-        self._cache: dict[str, torch.Tensor] = {}  # prompt -> (L, D) float32 valid-token embeddings
-        self.flops = 0.0  # model FLOPs executed so far (ALGORITHMS.md §6); the trainer reads and resets it
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.networks["transformer"]
 
     # ------------------------------------------------------------------------------------------- prompts
-    @torch.no_grad()
-    def _encode_uncached(self, prompts: list[str]) -> list[torch.Tensor]:
-        texts = [PROMPT_TEMPLATE.format(p) for p in prompts]
-        tok = self.tokenizer(texts, max_length=TOKENIZER_MAX_LENGTH + TEMPLATE_DROP, padding=True, truncation=True,
-                             return_tensors="pt").to(self.device)
+    def _encode_one(self, prompt: Prompt) -> Cond:
+        """The valid-token embeddings (L, D) float32 of one prompt (padding happens per batch, in `_collate`)."""
+        (text,) = text_only([prompt], self.family)
+        tok = self.tokenizer([PROMPT_TEMPLATE.format(text)], max_length=TOKENIZER_MAX_LENGTH + TEMPLATE_DROP,
+                             padding=True, truncation=True, return_tensors="pt").to(self.device)
         out = self.text_encoder(input_ids=tok.input_ids, attention_mask=tok.attention_mask, output_hidden_states=True)
-        hidden = out.hidden_states[-1].float()
-        valid = tok.attention_mask.bool()
-        return [h[m][TEMPLATE_DROP:][: self.max_sequence_length] for h, m in zip(hidden, valid, strict=True)]
+        hidden = out.hidden_states[-1].float()[0][tok.attention_mask[0].bool()]
+        embeds = hidden[TEMPLATE_DROP:][: self.max_sequence_length]
+        if embeds.shape[0] == 0:
+            raise ValueError(f"prompt {text!r} encodes to no tokens after the template's first {TEMPLATE_DROP}")
+        return {"prompt_embeds": embeds}
 
-    def encode_prompts(self, prompts: list[str]) -> Cond:
-        """Text conditioning, cached per prompt (the text encoder is frozen): `prompt_embeds` (B, L, D) float32
-        right-padded to the longest prompt of the call, `prompt_mask` (B, L) bool."""
-        # one prompt per encoder call, so an embedding does not depend on the batch it arrived in (exact resume)
-        for p in sorted({p for p in prompts if p not in self._cache}):
-            for e in self._encode_uncached([p]):
-                if e.shape[0] == 0:
-                    raise ValueError(f"prompt {p!r} encodes to no tokens after the template's first {TEMPLATE_DROP}")
-                self._cache[p] = e
-        embeds, mask = pad_text([self._cache[p] for p in prompts])
+    def _collate(self, conds: list[Cond]) -> Cond:
+        """`prompt_embeds` (B, L, D) right-padded to the longest prompt of the call, `prompt_mask` (B, L) bool."""
+        embeds, mask = pad_text([c["prompt_embeds"] for c in conds])
         return {"prompt_embeds": embeds, "prompt_mask": mask}
 
     # ------------------------------------------------------------------------------------------- diffusion
@@ -146,67 +158,66 @@ class QwenImageAdapter:
             raise ValueError(f"rollout.height/width must be multiples of {f} for Qwen-Image, got {height}x{width}")
         return height // self.vae_scale_factor, width // self.vae_scale_factor
 
-    def initial_noise(self, batch: int, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
-        h, w = self._latent_grid(height, width)
-        shape = (batch, self.transformer.config.out_channels, h, w)
-        return torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu").to(self.device)
+    def latent_shapes(self, shape: MediaShape) -> dict[str, tuple[int, ...]]:
+        if shape.is_video:
+            raise ValueError(f"Qwen-Image generates images; rollout.num_frames={shape.frames} must be 0")
+        return {"x": (self.transformer.config.out_channels, *self._latent_grid(shape.height, shape.width))}
 
-    def sigmas(self, num_steps: int, height: int | None = None, width: int | None = None) -> torch.Tensor:
-        """The grid the pipeline samples `height`×`width` images with (the shift depends on the image size)."""
-        if height is None or width is None:
-            raise ValueError("Qwen-Image sigmas depend on the image size (dynamic shift): call sigmas(num_steps, "
-                             "height, width)")
-        h, w = self._latent_grid(height, width)
+    def sigmas(self, num_steps: int, shape: MediaShape) -> torch.Tensor:
+        """The grid the pipeline samples this image size with (the shift depends on the image size)."""
+        h, w = self._latent_grid(shape.height, shape.width)
         c = self.scheduler.config
         mu = dynamic_shift_mu((h // 2) * (w // 2), c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
                               c.get("base_shift", 0.5), c.get("max_shift", 1.15))
         self.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps), mu=mu)
         return self.scheduler.sigmas.float().cpu()
 
-    def _forward(self, tokens: torch.Tensor, grid: tuple[int, int], sigma: torch.Tensor, embeds: torch.Tensor,
-                 mask: torch.Tensor | None) -> torch.Tensor:
-        b, n, _ = tokens.shape
-        per_sample = qwen_image_forward_flops(self.transformer.config, n, embeds.shape[1])
-        self.flops += per_sample * b * (3 if torch.is_grad_enabled() else 1)
-        # bf16/fp16 weights: autocast runs float32 LoRA weights and inputs in the same low precision
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            out = self.transformer(
-                hidden_states=tokens.to(self.dtype),
-                timestep=sigma.float(),  # σ, not 1000·σ: the embedding scales by 1000 itself
-                encoder_hidden_states=embeds.to(self.dtype),
-                encoder_hidden_states_mask=mask,
-                img_shapes=[[(1, grid[0] // 2, grid[1] // 2)]] * b,
-                return_dict=False,
-            )[0]
-        return out.float()
+    def forward_flops(self, latents: Latents, cond: Cond) -> float:
+        h, w = latents["x"].shape[-2:]
+        return qwen_image_forward_flops(self.transformer.config, (h // 2) * (w // 2), cond["prompt_embeds"].shape[1])
 
-    def velocity(self, latents, sigma, cond: Cond, neg: Cond | None, guidance: float) -> torch.Tensor:
-        """v on unpacked latents; with CFG, uncond and cond run as one batch (text padded to a common length)."""
-        grid = tuple(latents.shape[-2:])
-        tokens = pack_latents(latents.float())
-        if neg is None or guidance == 1.0:
-            embeds, mask = cond["prompt_embeds"], cond["prompt_mask"]
-            v = self._forward(tokens, grid, sigma, embeds, None if mask.all() else mask)
-            return unpack_latents(v, *grid)
-        length = max(cond["prompt_embeds"].shape[1], neg["prompt_embeds"].shape[1])
-        (e_u, m_u), (e_c, m_c) = _repad(neg, length), _repad(cond, length)
-        mask = torch.cat([m_u, m_c])
-        v_u, v_c = self._forward(torch.cat([tokens, tokens]), grid, torch.cat([sigma, sigma]), torch.cat([e_u, e_c]),
-                                 None if mask.all() else mask).chunk(2)
-        return unpack_latents(true_cfg(v_u, v_c, guidance), *grid)
+    def _network_forward(self, network, latents: Latents, sigma: torch.Tensor, cond: Cond) -> Latents:
+        """v on unpacked latents: packs 2×2 patches, runs the transformer, unpacks."""
+        x = latents["x"]
+        grid = tuple(x.shape[-2:])
+        mask = cond["prompt_mask"]
+        out = network(
+            hidden_states=pack_latents(x.float()).to(self.dtype),
+            timestep=sigma.float(),  # σ, not 1000·σ: the embedding scales by 1000 itself
+            encoder_hidden_states=cond["prompt_embeds"].to(self.dtype),
+            encoder_hidden_states_mask=None if mask.all() else mask,
+            img_shapes=[[(1, grid[0] // 2, grid[1] // 2)]] * x.shape[0],
+            return_dict=False,
+        )[0]
+        return {"x": unpack_latents(out.float(), *grid)}
 
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        cfg = self.vae.config
-        mean = torch.tensor(cfg.latents_mean, device=latents.device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(cfg.latents_std, device=latents.device).view(1, -1, 1, 1, 1)
-        z = latents.float().unsqueeze(2) * std + mean  # (B, C, 1, h, w): one video frame
-        return (self.vae.decode(z, return_dict=False)[0][:, :, 0] / 2 + 0.5).clamp(0, 1)
+    def _pair(self, cond: Cond, shared: Cond) -> Cond:
+        """uncond ⊕ cond with the text of both padded to a common length."""
+        b = cond["prompt_embeds"].shape[0]
+        length = max(cond["prompt_embeds"].shape[1], shared["prompt_embeds"].shape[1])
+        neg = {k: v.expand(b, *v.shape[1:]) for k, v in repad(shared, length).items()}
+        pos = repad(cond, length)
+        return {k: torch.cat([neg[k], pos[k]]) for k in pos}
+
+    def _guide(self, uncond: Latents, cond: Latents, scale: float) -> Latents:
+        """True CFG with the norm rescale per packed token (the pipeline's form, in rollout and training)."""
+        grid = tuple(cond["x"].shape[-2:])
+        return {"x": unpack_latents(true_cfg(pack_latents(uncond["x"]), pack_latents(cond["x"]), scale), *grid)}
 
     @torch.no_grad()
-    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: Latents) -> Media:
         cfg = self.vae.config
+        x = latents["x"]
+        mean = torch.tensor(cfg.latents_mean, device=x.device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(cfg.latents_std, device=x.device).view(1, -1, 1, 1, 1)
+        z = x.float().unsqueeze(2) * std + mean  # (B, C, 1, h, w): one video frame
+        return {"images": (self.vae.decode(z, return_dict=False)[0][:, :, 0] / 2 + 0.5).clamp(0, 1)}
+
+    @torch.no_grad()
+    def encode_media(self, media: Media) -> Latents:
+        cfg = self.vae.config
+        images = media["images"]
         z = self.vae.encode(images.to(self.device).float().unsqueeze(2) * 2 - 1).latent_dist.mean[:, :, 0]
         mean = torch.tensor(cfg.latents_mean, device=z.device).view(1, -1, 1, 1)
         std = torch.tensor(cfg.latents_std, device=z.device).view(1, -1, 1, 1)
-        return (z - mean) / std
+        return {"x": (z - mean) / std}

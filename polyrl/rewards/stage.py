@@ -1,13 +1,14 @@
-"""The reward stage of a training step: decode the clean latents, score them, attach scores to the batch.
+"""The reward stage of a training step: score decoded media (and/or latents), attach scores to the batch.
 
-Two schedules, the same numbers:
+It never holds the generator: the rollout stage decodes each chunk and hands it over as a `MediaChunk`
+(sampling/diffusion.py) through `scoring.put`, so this stage could live in another process. Two schedules, the
+same numbers:
 
-* sync (`reward.async=false`): after the whole rollout, decode every chunk, then score the batch.
-* overlapped (`reward.async=true`): the rollout samples the batch in chunks of `rollout.batch_size`; as soon
-  as chunk i is sampled, the main thread queues its decode on the GPU and a worker thread scores it while the
-  main thread samples chunk i+1. The decode stays on the main thread: it is GPU work on the same stream either
-  way, and a compiled decoder compiling in a worker would break the main thread's compiled calls (torch.fx's
-  tracing flag is process-wide).
+* sync (`reward.async=false`): after the whole rollout, score the batch in one call.
+* overlapped (`reward.async=true`): as soon as chunk i is sampled and its decode queued, a worker thread scores
+  it while the main thread samples chunk i+1. (The decode stays on the main thread: it is GPU work on the same
+  stream either way, and a compiled decoder compiling in a worker would break the main thread's compiled calls:
+  torch.fx's tracing flag is process-wide.)
 
 Why inside one step and not across steps: the rollout of step k+1 must use the weights after step k's update,
 and that update needs step k's rewards (the advantages are normalised over whole groups). Scoring step k while
@@ -28,6 +29,7 @@ from contextlib import contextmanager
 import torch
 
 from ..batch import Rollout
+from ..media import primary
 from .base import RewardOutput, call_reward, reward_inputs
 
 
@@ -51,8 +53,13 @@ def checked_scores(out: RewardOutput, name: str, n: int) -> torch.Tensor:
 def score_batch(reward, name: str, batch: Rollout) -> None:
     """Score the batch in one call (decoded media and/or latents, as the reward declares) and attach
     `rewards` and `reward_extras`."""
-    out = call_reward(reward, batch.images, batch.prompts, batch.metadata, latents=batch.final)
+    out = call_reward(reward, primary(batch.media), batch.prompts, batch.metadata, latents=reward_latents(batch.final))
     batch.rewards, batch.reward_extras = checked_scores(out, name, len(batch)), out.extras
+
+
+def reward_latents(final: dict) -> torch.Tensor | dict:
+    """Latents as a reward reads them: the tensor of a one-entry model, the dict otherwise."""
+    return next(iter(final.values())) if len(final) == 1 else final
 
 
 def _as_list(value, n: int) -> list:
@@ -93,71 +100,43 @@ class WallTimer:
 
 
 class _Overlapped:
-    """One step's overlapped scoring: `on_chunk` queues a chunk's decode and submits its scoring, `finish` collects."""
+    """One step's overlapped scoring: `put(chunk)` submits the chunk's scoring to the worker, `finish` collects."""
 
-    def __init__(self, stage: RewardStage, adapter, prompts: list[str], metadata: list[dict]):
-        self.stage, self.adapter, self.prompts, self.metadata = stage, adapter, prompts, metadata
+    def __init__(self, stage: RewardStage, prompts: list, metadata: list[dict]):
+        self.stage, self.prompts, self.metadata = stage, prompts, metadata
         self.futures: list[Future] = []
-        self.busy = {"time/decode": 0.0, "time/reward": 0.0}
+        self.busy = {"time/reward": 0.0}
 
-    def on_chunk(self, chunk: slice, final: torch.Tensor) -> None:
-        decoded = self._decode(final) if self.stage.reads_media else None
-        self.futures.append(self.stage.executor.submit(self._work, chunk, final, decoded))
+    def put(self, chunk) -> None:
+        self.futures.append(self.stage.executor.submit(self._work, chunk))
 
-    def _decode(self, final: torch.Tensor):
-        """Queue the decode and its copy to the host; returns (images, wait) where wait() blocks until the images
-        are on the host and returns the decode's seconds (GPU time on CUDA, wall time elsewhere)."""
-        dev = self.adapter.device
-        with torch.no_grad():
-            if dev.type != "cuda":
-                t0 = time.perf_counter()
-                images = self.adapter.decode(final.to(dev)).cpu()
-                seconds = time.perf_counter() - t0
-                return images, lambda: seconds
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            images = self.adapter.decode(final.to(dev))
-            end.record()
-            host = torch.empty(images.shape, dtype=images.dtype, pin_memory=True)
-            host.copy_(images, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-
-        def wait() -> float:
-            copied.synchronize()
-            return start.elapsed_time(end) / 1000
-
-        return host, wait
-
-    def _work(self, chunk: slice, final: torch.Tensor, decoded):
-        images, wait = decoded if decoded is not None else (None, lambda: 0.0)
-        decode_s = wait()
+    def _work(self, chunk):
+        chunk.ready()  # the media are on the host
         with torch.no_grad():  # grad mode is per thread
             t1 = time.perf_counter()
-            prompts, metadata = self.prompts[chunk], self.metadata[chunk]
-            out = call_reward(self.stage.reward, images, prompts, metadata, latents=final)
+            prompts, metadata = self.prompts[chunk.index], self.metadata[chunk.index]
+            out = call_reward(self.stage.reward, primary(chunk.media), prompts, metadata,
+                              latents=reward_latents(chunk.final))
             scores = checked_scores(out, self.stage.name, len(prompts))
         # one worker thread: no lock needed
-        self.busy["time/decode"] += decode_s
         self.busy["time/reward"] += time.perf_counter() - t1
-        return images, scores, out.extras
+        return scores, out.extras
 
     def finish(self, batch: Rollout, timer: WallTimer | None = None) -> dict[str, float]:
         """Wait for the chunks (timed as `reward_wait`: the part not hidden behind sampling) and attach the
-        results; the worker's busy seconds go to `time/decode` and `time/reward`."""
+        results; the worker's busy seconds go to `time/reward`."""
         timer = timer or WallTimer()
         try:
             with timer("reward_wait"):
                 results = [f.result() for f in self.futures]
         finally:
             self.cancel()
-        n = sum(len(s) for _, s, _ in results)
+        n = sum(len(s) for s, _ in results)
         if n != len(batch):
             raise RuntimeError(f"overlapped reward scored {n} of {len(batch)} samples: the rollout did not "
-                               "report every chunk through on_chunk")
-        batch.images = torch.cat([im for im, _, _ in results]) if self.stage.reads_media else None
-        batch.rewards = torch.cat([s for _, s, _ in results])
-        batch.reward_extras = merge_extras([(len(s), e) for _, s, e in results])
+                               "hand every chunk to the reward stage")
+        batch.rewards = torch.cat([s for s, _ in results])
+        batch.reward_extras = merge_extras([(len(s), e) for s, e in results])
         for k, v in self.busy.items():
             timer.times[k] = timer.times.get(k, 0.0) + v
         return timer.times
@@ -168,18 +147,14 @@ class _Overlapped:
 
 
 class _Sync:
-    on_chunk = None  # the rollout runs as it does without a reward stage
+    def put(self, chunk) -> None:
+        pass  # scored whole in `finish`
 
-    def __init__(self, stage: RewardStage, adapter, batch_size: int):
-        self.stage, self.adapter, self.batch_size = stage, adapter, batch_size
+    def __init__(self, stage: RewardStage):
+        self.stage = stage
 
     def finish(self, batch: Rollout, timer: WallTimer | None = None) -> dict[str, float]:
-        from ..sampling.rollout import decode_images
-
         timer = timer or WallTimer()
-        if self.stage.reads_media:  # a latent-only reward needs no decode
-            with timer("decode"):
-                batch.images = decode_images(self.adapter, batch.final, self.batch_size)
         with timer("reward"):
             score_batch(self.stage.reward, self.stage.name, batch)
         return timer.times
@@ -189,12 +164,11 @@ class _Sync:
 
 
 class RewardStage:
-    """Per step: `scoring = stage.begin(adapter, batch_size, prompts, metadata)`, then
-    `rollout(..., on_chunk=scoring.on_chunk)`, then `scoring.finish(batch, timer)`, which fills `images`,
-    `rewards` and `reward_extras` (call `scoring.cancel()` instead when the rollout failed).
+    """Per step: `scoring = stage.begin(prompts, metadata)`, then `rollout(..., sink=scoring)`, then
+    `scoring.finish(batch, timer)`, which fills `rewards` and `reward_extras` (call `scoring.cancel()` instead
+    when the rollout failed). `reads_media` tells the rollout whether to decode at all.
 
-    `timer` records `time/decode`, `time/reward` (and `time/reward_wait` when overlapped); `finish` returns
-    its `times`.
+    `timer` records `time/reward` (and `time/reward_wait` when overlapped); `finish` returns its `times`.
     """
 
     def __init__(self, reward, name: str, overlap: bool = False):
@@ -203,10 +177,10 @@ class RewardStage:
         # one worker: chunks are scored in order and the reward is never called concurrently
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyrl-reward") if overlap else None
 
-    def begin(self, adapter, batch_size: int, prompts: list[str], metadata: list[dict]):
+    def begin(self, prompts: list, metadata: list[dict]):
         if self.overlap:
-            return _Overlapped(self, adapter, list(prompts), list(metadata))
-        return _Sync(self, adapter, batch_size)
+            return _Overlapped(self, list(prompts), list(metadata))
+        return _Sync(self)
 
     def close(self) -> None:
         if self.executor is not None:

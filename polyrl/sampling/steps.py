@@ -19,6 +19,10 @@ scalars), so a batch can mix stochastic (SDE-window) and deterministic (ODE) ste
 A step returns `StepOut(sample, log_prob, mean, std)` where `std` is the standard deviation of the whole
 transition x' ~ N(mean, std²) (for `sde` that is a·sqrt(σ/(1−σ̃))·sqrt(−dt)). `log_prob` is the per-element
 mean log-density (`mean_d`), which keeps PPO clip ranges of 1e-4…1e-5 meaningful.
+
+The step functions work on one tensor; `step_latents` applies one to every entry of a `Latents` dict (video and
+audio latents of one sample share σ and the transition std) and returns one joint log-density per sample: the
+mean over all entries' elements (`latents.sample_mean`).
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..latents import Latents
+
 
 @dataclass
 class StepOut:
-    sample: torch.Tensor
+    sample: torch.Tensor | Latents
     log_prob: torch.Tensor  # (B,); 0 where the step is deterministic (std = 0)
-    mean: torch.Tensor
+    mean: torch.Tensor | Latents
     std: torch.Tensor  # (B,) transition std
     weight: torch.Tensor | None = None  # (B,) rollout-correction weight (IS × rejection mask, §4); None = 1
 
@@ -128,3 +134,18 @@ def dance_step(
 
 
 STEPS = {"sde": sde_step, "cps": cps_step, "dance": dance_step}
+
+
+def step_latents(step_fn, x: Latents, v: Latents, sigma, sigma_next, noise_level, sigma_1: float,
+                 noise: Latents | None = None, prev: Latents | None = None) -> StepOut:
+    """`step_fn` applied to every entry of `x` (same σ, σ', a for all entries); `sample` and `mean` are Latents and
+    `log_prob` is the joint per-element mean over all entries, Σ_e D_e·lp_e / Σ_e D_e (§1)."""
+    outs = {k: step_fn(x[k], v[k], sigma, sigma_next, noise_level, sigma_1,
+                       noise=None if noise is None else noise[k], prev=None if prev is None else prev[k]) for k in x}
+    first = next(iter(outs.values()))
+    if len(outs) == 1:
+        log_prob = first.log_prob
+    else:
+        sizes = {k: x[k][0].numel() for k in x}
+        log_prob = sum(o.log_prob * sizes[k] for k, o in outs.items()) / sum(sizes.values())
+    return StepOut({k: o.sample for k, o in outs.items()}, log_prob, {k: o.mean for k, o in outs.items()}, first.std)

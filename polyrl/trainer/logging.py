@@ -1,4 +1,5 @@
-"""Run outputs a person looks at: metrics.jsonl, TensorBoard, sample grids, the reward curve."""
+"""Run outputs a person looks at: metrics.jsonl, TensorBoard, sample grids (PNG) and grid videos (mp4), the
+reward curve."""
 
 from __future__ import annotations
 
@@ -46,10 +47,11 @@ class MetricsLogger:
             self.writer.close()
 
 
-def save_grid(images: torch.Tensor, captions: list[str], scores: list[float] | None, path: Path, cols: int = 8,
-              scale: int = 2) -> None:
-    """A PNG grid; each tile is captioned with its prompt (wrapped) and score."""
+def grid_image(images: torch.Tensor, captions: list[str], scores: list[float] | None, cols: int = 8,
+               scale: int = 2) -> Image.Image:
+    """A grid of (B, 3, H, W) images in [0, 1]; each tile is captioned with its prompt (wrapped) and score."""
     b, _, h, w = images.shape
+    cols = min(cols, b)
     tile_w, cap_h = w * scale, 34
     rows = math.ceil(b / cols)
     grid = Image.new("RGB", (cols * tile_w, rows * (h * scale + cap_h)), "white")
@@ -68,8 +70,47 @@ def save_grid(images: torch.Tensor, captions: list[str], scores: list[float] | N
         lines.append(line)
         text = "\n".join(lines[:2] + ([f"r={scores[i]:.2f}"] if scores is not None else []))
         draw.multiline_text((x + 2, y + h * scale + 1), text, fill="black", spacing=0)
+    return grid
+
+
+def save_grid(images: torch.Tensor, captions: list[str], scores: list[float] | None, path: Path, cols: int = 8,
+              scale: int = 2) -> None:
+    """A captioned PNG grid (see `grid_image`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
+    grid_image(images, captions, scores, cols, scale).save(path)
+
+
+def save_video_grid(video: torch.Tensor, captions: list[str], scores: list[float] | None, path: Path, fps: float,
+                    cols: int = 8, scale: int = 2) -> None:
+    """A captioned grid video (mp4) of (B, T, 3, H, W) clips in [0, 1]: frame t of every clip side by side."""
+    import numpy as np
+
+    from ..rewards.codec import encode_mp4
+
+    frames = np.stack([np.asarray(grid_image(video[:, t], captions, scores, cols, scale))
+                       for t in range(video.shape[1])])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(encode_mp4(frames, fps))
+
+
+def save_samples(batch, stem: Path, fps: float = 16.0) -> list[Path]:
+    """A batch's decoded media as files a person opens: `<stem>.png` for images; for video `<stem>.mp4` and a PNG
+    grid of each clip's middle frame. Captions are the prompts and rewards."""
+    from ..models.base import prompt_text
+
+    captions = [prompt_text(p) for p in batch.prompts]
+    scores = batch.rewards.tolist() if batch.rewards is not None else None
+    media, written = batch.media or {}, []
+    if "images" in media:
+        written.append(stem.with_suffix(".png"))
+        save_grid(media["images"], captions, scores, written[-1])
+    if "video" in media:
+        video = media["video"]
+        written.append(stem.with_suffix(".mp4"))
+        save_video_grid(video, captions, scores, written[-1], fps)
+        written.append(stem.with_suffix(".png"))
+        save_grid(video[:, video.shape[1] // 2], captions, scores, written[-1])
+    return written
 
 
 def plot_reward_curve(history: list[dict], path: Path) -> None:

@@ -144,7 +144,8 @@ WORKLOADS = {  # name -> (recipe, extra overrides at full size)
 def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[str], model_dir: Path | None = None,
               workload: str = "sd35m") -> dict:
     from ..config import load_config
-    from ..trainer.loop import Trainer, pick_device
+    from ..distributed.engine import pick_device
+    from ..trainer.loop import Trainer
 
     out.mkdir(parents=True, exist_ok=True)
     device = pick_device("cpu" if tiny and not torch.cuda.is_available() else "auto")
@@ -169,7 +170,10 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg)
-    history = trainer.fit()
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
     images = cfg.data.prompts_per_step * cfg.rollout.n
     stack = versions()
     result = {

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from ..models.sd3 import encode_sd3_prompts
 from ..models.tiny import TinySD3Spec, build_tiny_sd3
-from . import shapes_task as task
+from ..toy import shapes_task as task
 
 
 def toy_spec() -> TinySD3Spec:
@@ -141,13 +141,18 @@ def evaluate_toy(path: str | Path, prompts_file: str | Path, n: int = 64, num_st
     from types import SimpleNamespace
 
     from ..data.prompts import load_prompts, split_row
-    from ..models.sd3 import SD3Adapter
+    from ..latents import MediaShape
+    from ..models.base import Guidance
+    from ..models.sd3 import SD3Policy
     from ..rewards.shapes import ShapesReward
-    from ..sampling.rollout import SamplingPlan, rollout
+    from ..sampling.diffusion import SamplingPlan, draw_noise, rollout
 
-    adapter = SD3Adapter(SimpleNamespace(path=str(path), dtype="float32", max_sequence_length=16), torch.device(device))
+    adapter = SD3Policy(SimpleNamespace(path=str(path), dtype="float32", max_sequence_length=16), torch.device(device))
     rows = load_prompts(prompts_file)
     prompts, meta = zip(*(split_row(rows[i % len(rows)]) for i in range(n)), strict=False)
-    plan = SamplingPlan(num_steps=num_steps, height=64, width=64, guidance_scale=1.0, noise_level=0.0, batch_size=64)
-    batch = rollout(adapter, list(prompts), list(meta), torch.arange(n), plan, torch.Generator().manual_seed(seed))
-    return ShapesReward()(batch.images, batch.prompts, batch.metadata).scores.mean().item()
+    plan = SamplingPlan(num_steps=num_steps, shape=MediaShape(64, 64), guidance=Guidance(1.0), noise_level=0.0,
+                        batch_size=64)
+    groups = torch.arange(n)
+    noise = draw_noise(adapter.latent_shapes(plan.shape), plan, groups, torch.Generator().manual_seed(seed))
+    batch = rollout(adapter, list(prompts), list(meta), groups, plan, noise)
+    return ShapesReward()(batch.media["images"], batch.prompts, batch.metadata).scores.mean().item()

@@ -1,0 +1,157 @@
+"""The engine seam: what the trainer and actor need from "the other ranks", and nothing else.
+
+`LocalEngine` is one process (every collective is the identity). `DataParallelEngine` runs one replica of the
+trainable weights per rank (`torchrun --nproc-per-node=N -m polyrl train ...`): each rank samples and scores
+its contiguous share of the step's prompt groups, the actor sums gradients over ranks after each mini-batch
+(the losses are already normalised by the *global* mini-batch size, so the sum is the 1-process gradient), and
+only rank 0 logs and writes. gloo on CPUs, NCCL on GPUs (one GPU per rank, `cuda:LOCAL_RANK`).
+
+Gradients travel as one flat buffer per bucket of at most `BUCKET_NUMEL` elements (what DDP does, without
+wrapping the model: the adapters call their networks directly, and LoRA-only gradients are small).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .dims import ParallelDims, shard_range
+
+BUCKET_NUMEL = 64 * 2**20
+
+
+class LocalEngine:
+    """One process: rank 0 of a world of 1."""
+
+    rank, world_size = 0, 1
+    dims = ParallelDims()
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, n: int) -> range:
+        """This rank's contiguous share of n items (prompt groups, samples)."""
+        return shard_range(n, self.rank, self.world_size)
+
+    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        pass
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenation over ranks (equal shapes) along dim 0."""
+        return t
+
+    def gather_objects(self, obj) -> list:
+        return [obj]
+
+    def broadcast_object(self, obj):
+        return obj
+
+    def broadcast_params(self, params: list[torch.Tensor]) -> None:
+        pass
+
+    def barrier(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class DataParallelEngine(LocalEngine):
+    def __init__(self, device_name: str = "auto"):
+        import torch.distributed as dist
+
+        self.dist = dist
+        cuda = pick_device(device_name).type == "cuda"
+        if cuda:
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            device = torch.device("cuda", local)
+        else:
+            device = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo")
+        super().__init__(device)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dims = ParallelDims(dp=self.world_size)
+
+    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Σ over ranks of every parameter's gradient (None counts as zeros: a rank may hold no sample of a
+        mini-batch), in flat buckets."""
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for p in params:
+            bucket.append(p.grad)
+            size += p.grad.numel()
+            if size >= BUCKET_NUMEL:
+                self._reduce_bucket(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._reduce_bucket(bucket)
+
+    def _reduce_bucket(self, grads: list[torch.Tensor]) -> None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.dist.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        self.dist.all_reduce(out)
+        return out
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        self.dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts)
+
+    def gather_objects(self, obj) -> list:
+        out = [None] * self.world_size
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj):
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def broadcast_params(self, params: list[torch.Tensor]) -> None:
+        """Rank 0's values everywhere (replicas must start equal, whatever each rank's initialisation drew)."""
+        with torch.no_grad():
+            for p in params:
+                self.dist.broadcast(p.data, src=0)
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def close(self) -> None:
+        if self.dist.is_initialized():
+            self.dist.barrier()  # no rank tears the group down while another still talks to it
+            self.dist.destroy_process_group()
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
+    return torch.device(name)
+
+
+def build_engine(device_name: str) -> LocalEngine:
+    """A `DataParallelEngine` under a multi-process launch (WORLD_SIZE > 1), else one process on `device_name`."""
+    if ParallelDims.from_env().world_size > 1:
+        return DataParallelEngine(device_name)
+    return LocalEngine(pick_device(device_name))

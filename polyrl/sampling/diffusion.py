@@ -1,0 +1,209 @@
+"""The rollout stage of a diffusion policy: sample trajectories with log-probs (ALGORITHMS.md §1), decode each
+chunk as soon as it is sampled, and hand the decoded media to the reward stage through a sink (a queue).
+
+All randomness of a rollout is drawn up front by `draw_noise` from a `torch.Generator` the caller seeds per
+training step, on the CPU in float32, for the whole global batch: a resumed run, a run with another
+`rollout.batch_size` and a data-parallel rank (which takes its samples' rows) all see the same numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..batch import Rollout
+from ..latents import Latents, MediaShape, cat_latents, map_latents, stack_latents, to_device
+from ..media import cat_media
+from ..models.base import Cond, DiffusionPolicy, Guidance, Prompt
+from .steps import STEPS, step_latents
+
+WINDOW_STRATEGIES = ("per_sample", "random", "progressive")
+
+
+@dataclass
+class SamplingPlan:
+    """What a rollout samples. `window_size` 0 means every step is stochastic and trained."""
+
+    num_steps: int
+    shape: MediaShape
+    guidance: Guidance
+    noise_level: float
+    window_size: int = 0
+    window_range: tuple[int, int] = (0, 0)
+    batch_size: int = 16  # samples per network call (memory bound)
+    step: str = "sde"  # a name in sampling.steps.STEPS
+    window_strategy: str = "per_sample"  # see window_starts
+    window_every: int = 1  # `progressive`: training steps between slides
+    shared_noise: bool = False  # one initial noise per prompt group (DanceGRPO)
+
+    @property
+    def trained_steps(self) -> int:
+        return self.window_size or self.num_steps
+
+
+def window_starts(plan: SamplingPlan, batch: int, generator: torch.Generator, step: int = 0) -> torch.Tensor:
+    """Window start per sample (§1 SDE window), in `window_range` = [lo, hi] inclusive.
+
+    `per_sample`: each sample uniform in [lo, hi] (Flow-GRPO-Fast); `random`: one uniform start shared by the
+    whole batch (MixGRPO random); `progressive`: lo + (⌊step / window_every⌋·W mod (hi − lo + 1)), sliding
+    forward by W every `window_every` training steps and wrapping to lo (MixGRPO progressive). The draws come
+    from the step's generator, so a resumed run places windows exactly as an uninterrupted one.
+    """
+    if plan.window_size == 0:
+        return torch.zeros(batch, dtype=torch.long)
+    lo, hi = plan.window_range
+    if plan.window_strategy == "per_sample":
+        return torch.randint(lo, hi + 1, (batch,), generator=generator)
+    if plan.window_strategy == "random":
+        return torch.randint(lo, hi + 1, (1,), generator=generator).expand(batch).clone()
+    if plan.window_strategy == "progressive":
+        start = lo + (step // plan.window_every) * plan.window_size % (hi - lo + 1)
+        return torch.full((batch,), start, dtype=torch.long)
+    raise ValueError(f"rollout.sde_window_strategy={plan.window_strategy!r}; allowed: {', '.join(WINDOW_STRATEGIES)}")
+
+
+@dataclass
+class RolloutNoise:
+    """Every random draw of a rollout: initial latents (B, ...), window starts (B,), step noise (N, B, ...)."""
+
+    initial: Latents
+    starts: torch.Tensor
+    steps: Latents
+
+    def select(self, idx: torch.Tensor) -> RolloutNoise:
+        return RolloutNoise({k: v[idx] for k, v in self.initial.items()}, self.starts[idx],
+                            {k: v[:, idx] for k, v in self.steps.items()})
+
+
+def draw_noise(shapes: dict[str, tuple[int, ...]], plan: SamplingPlan, group_ids: torch.Tensor,
+               generator: torch.Generator, step: int = 0) -> RolloutNoise:
+    """Draw a whole batch's randomness in a fixed order: initial noise sample by sample (or group by group with
+    `plan.shared_noise`), window starts, then the step noise step-major, so the numbers depend on neither the
+    chunking nor the rank that samples them."""
+    def one() -> Latents:
+        return {k: torch.randn((1, *s), generator=generator, dtype=torch.float32) for k, s in shapes.items()}
+
+    b = len(group_ids)
+    if plan.shared_noise:
+        _, group_index = torch.unique(group_ids, return_inverse=True)
+        per_group = cat_latents([one() for _ in range(int(group_index.max()) + 1)])
+        initial = {k: v[group_index] for k, v in per_group.items()}
+    else:
+        initial = cat_latents([one() for _ in range(b)])
+    starts = window_starts(plan, b, generator, step)
+    steps = {k: torch.randn((plan.num_steps, b, *s), generator=generator, dtype=torch.float32)
+             for k, s in shapes.items()}
+    return RolloutNoise(initial, starts, steps)
+
+
+@dataclass
+class MediaChunk:
+    """One sampled chunk on its way to the reward stage: samples `index` of the batch, their clean latents and
+    decoded media (None when the reward reads latents only). On a GPU the media's copy to the host may still be
+    in flight: `ready()` waits for it and returns the decode's seconds."""
+
+    index: slice
+    final: Latents
+    media: dict | None
+    ready: Callable[[], float] = field(default=lambda: 0.0)
+
+
+@torch.no_grad()
+def decode_chunk(adapter: DiffusionPolicy, final: Latents) -> tuple[dict, Callable[[], float]]:
+    """Decode clean latents; returns (media on the host, ready). On CUDA the decode and a pinned non-blocking copy
+    are only queued (sampling of the next chunk is queued behind them), and `ready()` waits on an event."""
+    dev = adapter.device
+    if dev.type != "cuda":
+        t0 = time.perf_counter()
+        media = {k: v.cpu() for k, v in adapter.decode(to_device(final, dev)).items()}
+        seconds = time.perf_counter() - t0
+        return media, lambda: seconds
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    decoded = adapter.decode(to_device(final, dev))
+    end.record()
+    host = {}
+    for k, v in decoded.items():
+        host[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+        host[k].copy_(v, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def ready() -> float:
+        copied.synchronize()
+        return start.elapsed_time(end) / 1000
+
+    return host, ready
+
+
+@torch.no_grad()
+def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: RolloutNoise, plan: SamplingPlan):
+    """Run the sampler for one chunk; returns (window latents, log-probs, sigmas, noise levels, final latents,
+    window means). Results stay on the device until the end, so the loop never waits for a device-to-host copy."""
+    sigmas = adapter.sigmas(plan.num_steps, plan.shape)
+    sigma_1 = float(sigmas[1])
+    starts = noise.starts
+    b, w = len(starts), plan.trained_steps
+    device = adapter.device
+    x = to_device(noise.initial, device, torch.float32)
+    step_fn = STEPS[plan.step]
+    states, log_probs, levels, means = [x], [], [], []
+    for j in range(plan.num_steps):
+        in_window = ((j >= starts) & (j < starts + w)).float().to(device)
+        level = plan.noise_level * in_window
+        sigma = sigmas[j].to(device).expand(b)
+        v = adapter.velocity(x, sigma, cond, shared, plan.guidance.scale)
+        z = {k: s[j].to(device, non_blocking=True) for k, s in noise.steps.items()}
+        out = step_latents(step_fn, x, v, sigma, sigmas[j + 1].to(device).expand(b), level, sigma_1, noise=z)
+        x = out.sample
+        states.append(x)
+        means.append(out.mean)
+        log_probs.append(out.log_prob)
+        levels.append(level)
+    lp_t, lv_t = torch.stack(log_probs, 1).cpu(), torch.stack(levels, 1).cpu()  # (B, N)
+    pos = starts.view(-1, 1) + torch.arange(w + 1).view(1, -1)  # (B, W+1)
+    rows = torch.arange(b).view(-1, 1)
+    win_latents = map_latents(lambda t: t.cpu()[rows, pos], stack_latents(states))  # (B, W+1, ...)
+    win_means = map_latents(lambda t: t.cpu()[rows, pos[:, :w]], stack_latents(means))
+    win_lp = torch.gather(lp_t, 1, pos[:, :w])
+    win_levels = torch.gather(lv_t, 1, pos[:, :w])
+    return win_latents, win_lp, sigmas[pos], win_levels, {k: v.cpu() for k, v in x.items()}, win_means
+
+
+def rollout(
+    adapter: DiffusionPolicy, prompts: list[Prompt], metadata: list[dict], group_ids: torch.Tensor,
+    plan: SamplingPlan, noise: RolloutNoise, decode: bool = True, sink=None, times: dict | None = None,
+) -> Rollout:
+    """Sample len(prompts) trajectories in chunks of `plan.batch_size`, decoding each chunk after it is sampled.
+
+    `noise` holds this batch's draws (`draw_noise`, or its rows for this rank). Each chunk goes to `sink.put(
+    MediaChunk)` as soon as it is sampled (the reward stage scores it while the next chunk samples); the
+    returned batch holds every chunk's media too. `times["time/decode"]` accumulates the decode seconds.
+    """
+    cond = adapter.encode_prompts(prompts)
+    shared = adapter.encode_guidance(plan.guidance)
+    b = len(prompts)
+    parts, chunks = [], []
+    for i in range(0, b, plan.batch_size):
+        sl = slice(i, min(b, i + plan.batch_size))
+        idx = torch.arange(sl.start, sl.stop)
+        parts.append(sample_latents(adapter, {k: v[sl] for k, v in cond.items()}, shared, noise.select(idx), plan))
+        final = parts[-1][4]
+        media, ready = decode_chunk(adapter, final) if decode else (None, lambda: 0.0)
+        chunks.append(MediaChunk(sl, final, media, ready))
+        if sink is not None:
+            sink.put(chunks[-1])
+    decode_s = sum(c.ready() for c in chunks)
+    if times is not None and decode:
+        times["time/decode"] = times.get("time/decode", 0.0) + decode_s
+    latents, log_probs, sigmas, levels, final, means = (
+        cat_latents(list(t)) if isinstance(t[0], dict) else torch.cat(t) for t in zip(*parts, strict=True))
+    return Rollout(
+        prompts=list(prompts), metadata=list(metadata), group_ids=group_ids,
+        cond={k: v.cpu() for k, v in cond.items()}, shared={k: v.cpu() for k, v in shared.items()},
+        latents=latents, log_probs=log_probs, sigmas=sigmas, noise_levels=levels, final=final,
+        media=cat_media([c.media for c in chunks]) if decode else None, old_means=means,
+    )
