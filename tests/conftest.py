@@ -30,3 +30,13 @@ def shape_prompts_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "prompts.txt"
     path.write_text("\n".join(SHAPE_PROMPTS) + "\n")
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_dir(tmp_path_factory):
+    """A tiny Wan2.1 text-to-video pipeline (UniPC scheduler with flow_shift 3.0), saved with save_pretrained."""
+    from polyrl.models.tiny import TinyWanSpec, save_tiny_wan
+
+    words = sorted({w for p in SHAPE_PROMPTS for w in p.split()})
+    path = tmp_path_factory.mktemp("tiny_wan")
+    return save_tiny_wan(TinyWanSpec(words=words, layout="wan2.1"), path)

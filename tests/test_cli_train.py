@@ -99,10 +99,13 @@ def test_text_encoder_subsets_load(tmp_path, subset):
     tcfg = adapter.transformer.config
     assert cond["prompt_embeds"].shape[-1] == tcfg.joint_attention_dim
     assert cond["pooled"].shape == (2, tcfg.pooled_projection_dim)
-    x = adapter.initial_noise(2, 32, 32, torch.Generator().manual_seed(0))
-    v = adapter.velocity(x, torch.ones(2), cond, None, 1.0)
-    assert v.shape == x.shape and torch.isfinite(v).all()
-    assert adapter.decode(x).shape == (2, 3, 32, 32)
+    from polyrl.latents import MediaShape
+
+    shape = adapter.latent_shapes(MediaShape(32, 32))["x"]
+    x = {"x": torch.randn((2, *shape), generator=torch.Generator().manual_seed(0))}
+    v = adapter.velocity(x, torch.ones(2), cond, {}, 1.0)
+    assert v["x"].shape == x["x"].shape and torch.isfinite(v["x"]).all()
+    assert adapter.decode(x)["images"].shape == (2, 3, 32, 32)
 
 
 def test_missing_model_dir_is_a_clear_error(shape_prompts_file, tmp_path, capsys):

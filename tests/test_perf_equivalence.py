@@ -63,10 +63,10 @@ def test_regional_compile_matches_eager(tiny_sd3_dir):
     x = torch.randn(3, 4, 16, 16, generator=g)  # tiny pipeline: 4 latent channels, 32x32 images
     sigma = torch.tensor([0.9, 0.5, 0.2])
     cond = adapter.encode_prompts(["a green triangle", "three yellow squares", "a blue circle"])
-    neg = {k: v.expand(3, *v.shape[1:]) for k, v in adapter.encode_prompts([""]).items()}
-    eager = adapter.velocity(x, sigma, cond, neg, 3.0)
+    shared = adapter.encode_prompts([""])
+    eager = adapter.velocity({"x": x}, sigma, cond, shared, 3.0)["x"]
     compile_transformer(adapter.transformer, "blocks")
-    compiled = adapter.velocity(x, sigma, cond, neg, 3.0)
+    compiled = adapter.velocity({"x": x}, sigma, cond, shared, 3.0)["x"]
     assert torch.linalg.vector_norm(compiled - eager) / torch.linalg.vector_norm(eager) < 1e-5
 
 
@@ -81,6 +81,6 @@ def test_compiled_vae_decoder_matches_eager(tiny_sd3_dir):
     compiled = build_model(OmegaConf.create({**base, "compile": "blocks"}), torch.device("cpu"))
     assert compiled.vae.decoder._compiled_call_impl is not None
     z = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(0))
-    a, b = eager.decode(z), compiled.decode(z)
+    a, b = eager.decode({"x": z})["images"], compiled.decode({"x": z})["images"]
     assert a.shape == (2, 3, 32, 32)
     assert (a - b).abs().max() < 1e-5

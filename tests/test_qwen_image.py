@@ -20,7 +20,9 @@ from polyrl.models.qwen_image import (
     unpack_latents,
 )
 from polyrl.models.tiny import TinyQwenImageSpec, build_tiny_qwen_image, qwen_image_bench_spec, save_tiny_qwen_image
-from polyrl.sampling.rollout import SamplingPlan, sample_latents
+from polyrl.latents import MediaShape
+from polyrl.models.base import Guidance
+from polyrl.sampling.diffusion import RolloutNoise, SamplingPlan, sample_latents
 
 PROMPTS = ["two red circles above a blue square", "a green triangle", "three yellow squares"]
 
@@ -87,6 +89,14 @@ def test_dynamic_shift_mu_interpolates_between_base_and_max():
     assert dynamic_shift_mu(1024, 256, 8192, 0.5, 0.9) == pytest.approx(0.5 + 0.4 * 768 / 7936)
 
 
+def _noise(adapter, batch: int, size: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn((batch, *adapter.latent_shapes(MediaShape(size, size))["x"]), generator=generator)
+
+
+def _velocity(adapter, x, sigma, cond, shared=None, guidance=1.0):
+    return adapter.velocity({"x": x}, sigma, cond, shared or {}, guidance)["x"]
+
+
 def _expected_sigmas(num_steps: int, image_tokens: int) -> np.ndarray:
     """Qwen-Image's published scheduler, by hand in float64: exponential shift e^μ/(e^μ + 1/t − 1), then the
     stretch that makes the last nonzero sigma 0.02, then 0."""
@@ -101,15 +111,10 @@ def _expected_sigmas(num_steps: int, image_tokens: int) -> np.ndarray:
 def test_sigmas_use_the_resolution_dependent_shift(adapter, size, steps):
     """128² on the tiny VAE (factor 2) is 1024 image tokens, the token count of 512² on the real one (factor 8)."""
     image_tokens = (size // adapter.vae_scale_factor // 2) ** 2
-    got = adapter.sigmas(steps, size, size)
+    got = adapter.sigmas(steps, MediaShape(size, size))
     assert got.dtype == torch.float32 and got.shape == (steps + 1,)
     np.testing.assert_allclose(got.numpy(), _expected_sigmas(steps, image_tokens), atol=2e-7)
     assert got[0] == 1.0 and got[-2] == pytest.approx(0.02, abs=1e-6) and got[-1] == 0.0
-
-
-def test_sigmas_without_image_size_is_a_clear_error(adapter):
-    with pytest.raises(ValueError, match=r"depend on the image size \(dynamic shift\): call sigmas\(num_steps, height, width\)"):
-        adapter.sigmas(10)
 
 
 def test_tiny_tokenizer_header_is_the_34_dropped_tokens(adapter):
@@ -128,19 +133,18 @@ def _pipeline(path):
 
 def _ode(adapter, prompts, noise, steps, guidance):
     cond = adapter.encode_prompts(prompts)
-    neg = adapter.encode_prompts([""])
-    neg = {k: v.expand(len(prompts), *v.shape[1:]) for k, v in neg.items()}
-    plan = SamplingPlan(num_steps=steps, height=32, width=32, guidance_scale=guidance, noise_level=0.0)
-    out = sample_latents(adapter, cond, neg, noise, plan, torch.zeros(len(prompts), dtype=torch.long),
-                         torch.randn(steps, len(prompts), *noise.shape[1:]))
-    return out[4]  # the final latent
+    plan = SamplingPlan(num_steps=steps, shape=MediaShape(32, 32), guidance=Guidance(guidance), noise_level=0.0)
+    draws = RolloutNoise({"x": noise}, torch.zeros(len(prompts), dtype=torch.long),
+                         {"x": torch.randn(steps, len(prompts), *noise.shape[1:])})
+    out = sample_latents(adapter, cond, adapter.encode_guidance(plan.guidance), draws, plan)
+    return out[4]["x"]  # the final latent
 
 
 def test_ode_sampling_reproduces_the_diffusers_pipeline(adapter, tiny_qwen_dir):
     """Same initial latents, 4 steps, true CFG 4 with an empty negative prompt, prompts of different lengths (so
     the text padding mask matters): the adapter's Euler ODE rollout and decode equal QwenImagePipeline's."""
     prompts = PROMPTS[:2]
-    noise = adapter.initial_noise(2, 32, 32, torch.Generator().manual_seed(0))
+    noise = _noise(adapter, 2, 32, torch.Generator().manual_seed(0))
     assert adapter.encode_prompts(prompts)["prompt_mask"].sum(1).unique().numel() == 2  # really padded
     final = _ode(adapter, prompts, noise, 4, 4.0)
     pipe = _pipeline(tiny_qwen_dir)
@@ -151,46 +155,46 @@ def test_ode_sampling_reproduces_the_diffusers_pipeline(adapter, tiny_qwen_dir):
     # the check can tell: plain CFG (no norm rescale) or no guidance lands far away
     assert (_ode(adapter, prompts, noise, 4, 1.0) - reference).abs().max() > 1e-2
     images = pipe(**kwargs, output_type="pt").images
-    ours = adapter.decode(final)
+    ours = adapter.decode({"x": final})["images"]
     assert ours.shape == images.shape == (2, 3, 32, 32)
     assert (ours - images).abs().max() < 1e-5
 
 
 def test_cfg_velocity_is_not_plain_cfg(adapter):
     prompts = PROMPTS[:2]
-    x = adapter.initial_noise(2, 32, 32, torch.Generator().manual_seed(3))
+    x = _noise(adapter, 2, 32, torch.Generator().manual_seed(3))
     sigma = torch.full((2,), 0.7)
-    cond, neg = adapter.encode_prompts(prompts), adapter.encode_prompts([""])
-    neg = {k: v.expand(2, *v.shape[1:]) for k, v in neg.items()}
-    v_c = adapter.velocity(x, sigma, cond, None, 1.0)
-    v_u = adapter.velocity(x, sigma, neg, None, 1.0)
-    v = adapter.velocity(x, sigma, cond, neg, 4.0)
+    cond, shared = adapter.encode_prompts(prompts), adapter.encode_guidance(Guidance(4.0, ""))
+    neg = {k: v.expand(2, *v.shape[1:]) for k, v in shared.items()}
+    v_c = _velocity(adapter, x, sigma, cond)
+    v_u = _velocity(adapter, x, sigma, neg)
+    v = _velocity(adapter, x, sigma, cond, shared, 4.0)
     expected = unpack_latents(true_cfg(pack_latents(v_u), pack_latents(v_c), 4.0), 16, 16)
     assert (v - expected).abs().max() < 1e-5
     assert (v - (v_u + 4.0 * (v_c - v_u))).abs().max() > 1e-2
 
 
 def test_padding_the_text_does_not_change_the_velocity(adapter):
-    x = adapter.initial_noise(1, 32, 32, torch.Generator().manual_seed(4))
+    x = _noise(adapter, 1, 32, torch.Generator().manual_seed(4))
     cond = adapter.encode_prompts(["a green triangle"])
     padded = {"prompt_embeds": torch.cat([cond["prompt_embeds"], torch.randn(1, 5, cond["prompt_embeds"].shape[-1])], 1),
               "prompt_mask": torch.cat([cond["prompt_mask"], torch.zeros(1, 5, dtype=torch.bool)], 1)}
     sigma = torch.full((1,), 0.5)
-    assert (adapter.velocity(x, sigma, cond, None, 1.0) - adapter.velocity(x, sigma, padded, None, 1.0)).abs().max() < 1e-5
+    assert (_velocity(adapter, x, sigma, cond) - _velocity(adapter, x, sigma, padded)).abs().max() < 1e-5
 
 
 def test_encode_images_undoes_the_decode_normalisation(adapter):
     images = torch.rand(2, 3, 32, 32)
-    latents = adapter.encode_images(images)
-    assert latents.shape == (2, 4, 16, 16)
+    latents = adapter.encode_media({"images": images})
+    assert latents["x"].shape == (2, 4, 16, 16)
     raw = adapter.vae.encode(images.unsqueeze(2) * 2 - 1).latent_dist.mean
     direct = (adapter.vae.decode(raw, return_dict=False)[0][:, :, 0] / 2 + 0.5).clamp(0, 1)
-    assert (adapter.decode(latents) - direct).abs().max() < 1e-5
+    assert (adapter.decode(latents)["images"] - direct).abs().max() < 1e-5
 
 
 def test_image_size_must_tile_the_patches(adapter):
     with pytest.raises(ValueError, match="multiples of 4 for Qwen-Image, got 30x32"):
-        adapter.initial_noise(1, 30, 32, torch.Generator())
+        adapter.latent_shapes(MediaShape(30, 32))
 
 
 # ----------------------------------------------------------------------------------------------- bench build
@@ -238,7 +242,7 @@ def test_flops_match_the_executed_ops_of_the_transformer(monkeypatch):
     from diffusers import QwenImageTransformer2DModel
     from diffusers.models.transformers import transformer_qwenimage
 
-    from polyrl.perf.flops import FORWARD_FLOPS, qwen_image_forward_flops
+    from polyrl.models.qwen_image import qwen_image_forward_flops
 
     torch.manual_seed(0)
     model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=3, attention_head_dim=16,
@@ -268,7 +272,6 @@ def test_flops_match_the_executed_ops_of_the_transformer(monkeypatch):
             h.remove()
     assert executed["attention_calls"] == 3
     assert qwen_image_forward_flops(model.config, tokens, text) * batch == pytest.approx(executed["flops"], rel=1e-12)
-    assert FORWARD_FLOPS["qwen_image"] is qwen_image_forward_flops
 
 
 def test_full_size_forward_flops_by_hand():
@@ -277,7 +280,7 @@ def test_full_size_forward_flops_by_hand():
     per-sample img_mod/txt_mod (2 × d·6d), the embedders and the output layers."""
     from types import SimpleNamespace
 
-    from polyrl.perf.flops import qwen_image_forward_flops
+    from polyrl.models.qwen_image import qwen_image_forward_flops
 
     c = SimpleNamespace(num_attention_heads=24, attention_head_dim=128, num_layers=60, patch_size=2, in_channels=64,
                         out_channels=16, joint_attention_dim=3584)

@@ -1,5 +1,6 @@
 """reward.async: scoring of chunk i overlaps sampling of chunk i+1, with the same numbers as sync; the decode is
-queued by the sampling thread (a compiled decoder must not compile in a worker, see rewards/stage.py)."""
+queued by the sampling thread, which hands the stage media only (a compiled decoder must not compile in a worker,
+see rewards/stage.py)."""
 
 import threading
 import time
@@ -10,7 +11,9 @@ import torch
 from polyrl.batch import Rollout
 from polyrl.cli.main import main
 from polyrl.rewards import RewardOutput
+from polyrl.media import cat_media
 from polyrl.rewards.stage import RewardStage, merge_extras
+from polyrl.sampling.diffusion import MediaChunk, decode_chunk
 
 
 class FakeAdapter:
@@ -23,7 +26,7 @@ class FakeAdapter:
 
     def decode(self, latents):
         self.decode_threads.add(threading.current_thread().name)
-        return latents.mean(1, keepdim=True).expand(-1, 3, -1, -1).sigmoid()
+        return {"images": latents["x"].mean(1, keepdim=True).expand(-1, 3, -1, -1).sigmoid()}
 
 
 class SleepyReward:
@@ -44,19 +47,24 @@ class SleepyReward:
 def _batch(final):
     b = final.shape[0]
     return Rollout(prompts=[f"p{i}" for i in range(b)], metadata=[{} for _ in range(b)],
-                   group_ids=torch.arange(b) // 2, cond={"x": torch.zeros(b, 1)}, neg=None,
-                   latents=torch.zeros(b, 2, 1, 1, 1), log_probs=torch.zeros(b, 1), sigmas=torch.zeros(b, 2),
-                   noise_levels=torch.zeros(b, 1), final=final)
+                   group_ids=torch.arange(b) // 2, cond={"x": torch.zeros(b, 1)}, shared={},
+                   latents={"x": torch.zeros(b, 2, 1, 1, 1)}, log_probs=torch.zeros(b, 1), sigmas=torch.zeros(b, 2),
+                   noise_levels=torch.zeros(b, 1), final={"x": final})
 
 
 def _run(stage, adapter, final, chunk, sample_seconds=0.0):
-    """What the trainer does: on_chunk per sampled chunk (the sleep stands for sampling), then finish."""
+    """What the rollout and the trainer do: per sampled chunk (the sleep stands for sampling) decode it on this
+    thread and `put` it into the stage, then `finish`."""
     batch = _batch(final)
-    scoring = stage.begin(adapter, chunk, batch.prompts, batch.metadata)
+    scoring = stage.begin(batch.prompts, batch.metadata)
+    media = []
     for i in range(0, len(batch), chunk):
         time.sleep(sample_seconds)
-        if scoring.on_chunk is not None:
-            scoring.on_chunk(slice(i, min(len(batch), i + chunk)), final[i : i + chunk])
+        part = {"x": final[i : i + chunk]}
+        decoded, ready = decode_chunk(adapter, part)
+        media.append(decoded)
+        scoring.put(MediaChunk(slice(i, min(len(batch), i + chunk)), part, decoded, ready))
+    batch.media = cat_media(media)
     times = scoring.finish(batch)
     return batch, times
 
@@ -66,10 +74,10 @@ def test_overlapped_equals_sync():
     sync_adapter, async_adapter = FakeAdapter(), FakeAdapter()
     sync, _ = _run(RewardStage(SleepyReward(), "r"), sync_adapter, final, 4)
     over, times = _run(RewardStage(SleepyReward(), "r", overlap=True), async_adapter, final, 4)
-    assert torch.equal(sync.images, over.images) and torch.equal(sync.rewards, over.rewards)
+    assert torch.equal(sync.rewards, over.rewards)
     assert over.reward_extras["first_pixel"] == sync.reward_extras["first_pixel"]
     assert over.reward_extras["only_first"] == [1.0] * 4 + [None] * 6  # missing in later chunks: None, not 0
-    assert set(times) == {"time/decode", "time/reward", "time/reward_wait"}
+    assert set(times) == {"time/reward", "time/reward_wait"}
     assert async_adapter.decode_threads == {"MainThread"}
 
 
@@ -100,8 +108,9 @@ def test_missing_chunks_are_detected():
     final = torch.randn(4, 4, 2, 2)
     batch = _batch(final)
     stage = RewardStage(SleepyReward(), "r", overlap=True)
-    scoring = stage.begin(FakeAdapter(), 2, batch.prompts, batch.metadata)
-    scoring.on_chunk(slice(0, 2), final[:2])
+    scoring = stage.begin(batch.prompts, batch.metadata)
+    part = {"x": final[:2]}
+    scoring.put(MediaChunk(slice(0, 2), part, *decode_chunk(FakeAdapter(), part)))
     with pytest.raises(RuntimeError, match="scored 2 of 4 samples"):
         scoring.finish(batch)
 

@@ -35,7 +35,7 @@ class GRPOGuard(AlgorithmBase):
         adv = batch.advantages.to(out.log_prob.device)
         log_ratio = guard_log_ratio(out.log_prob, old_log_prob(batch, k, out.log_prob), out.mean,
                                     old_mean(batch, k, out.mean), out.std)
-        weight = inverse_dt_weights(batch.sigmas.to(out.mean.device), k)
+        weight = inverse_dt_weights(batch.sigmas.to(out.log_prob.device), k)
         if out.weight is not None:
             weight = weight * out.weight
         loss, ratio, clipped = ppo_clip_loss(log_ratio, torch.zeros_like(log_ratio), adv, self.clip_range, weight)

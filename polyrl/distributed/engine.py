@@ -108,14 +108,15 @@ class DataParallelEngine(LocalEngine):
             offset += g.numel()
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
-        out = t.clone()
+        out = t.to(self.device, copy=True)  # NCCL reduces device tensors only
         self.dist.all_reduce(out)
-        return out
+        return out.to(t.device)
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        self.dist.all_gather(parts, t.contiguous())
-        return torch.cat(parts)
+        local = t.to(self.device).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        self.dist.all_gather(parts, local)
+        return torch.cat(parts).to(t.device)
 
     def gather_objects(self, obj) -> list:
         out = [None] * self.world_size

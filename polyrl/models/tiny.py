@@ -271,3 +271,121 @@ def save_tiny_qwen_image(spec: TinyQwenImageSpec, path: str | Path, seed: int = 
     pipe = build_tiny_qwen_image(spec, seed, device, dtype)
     pipe.save_pretrained(str(path))
     return Path(path)
+
+
+# ----------------------------------------------------------------------------------------------- Wan
+# Schedulers of the published Wan checkpoints: UniPC on flow sigmas with a flow shift (Wan2.1-T2V-1.3B: 3.0,
+# Wan2.2-TI2V-5B: 5.0). polyrl samples on its own grid with the same shift (models/wan.py: `wan_sigmas`).
+WAN_LAYOUTS = ("wan2.1", "wan2.2-ti2v")
+
+
+@dataclass
+class TinyWanSpec:
+    """Sizes of a small `WanPipeline`: `WanTransformer3DModel` + `AutoencoderKLWan` + a `UMT5EncoderModel` with a
+    word-level tokenizer.
+
+    `layout` picks the published latent layout: "wan2.1" (VAE z_dim 16, 8× spatial / 4× temporal compression,
+    one timestep per sample) or "wan2.2-ti2v" (Wan2.2-TI2V-5B: VAE z_dim 48 with a 2×2 pixel patchify in front of
+    the encoder, 16× spatial compression, `expand_timesteps=True`: one timestep per latent token). The VAE here has
+    the real compression factors (three downsampling stages, two of them temporal) at tiny widths.
+    `boundary_ratio` adds a second expert (`transformer_2`) as in Wan2.2-A14B, which pairs the Wan2.1 VAE with two
+    transformers switched at t = boundary_ratio·1000.
+    """
+
+    words: list[str]
+    layout: str = "wan2.1"
+    text_d_model: int = 32  # UMT5 width = the transformer's text_dim
+    text_layers: int = 1
+    text_heads: int = 2
+    text_max_length: int = 512
+    num_layers: int = 2
+    heads: int = 2
+    head_dim: int = 12  # RoPE splits it into t/h/w parts: h = w = 2·(head_dim // 6), t = the rest
+    ffn_dim: int = 64
+    freq_dim: int = 32
+    vae_base_dim: int = 8
+    vae_dim_mult: tuple[int, ...] = (1, 2, 2, 2)
+    scheduler: str = "unipc"  # unipc (as published) | euler (FlowMatchEulerDiscreteScheduler with the same shift)
+    shift: float | None = None  # None: the layout's published flow shift (wan2.1 1.3B: 3.0, wan2.2 TI2V-5B: 5.0)
+    boundary_ratio: float | None = None  # set: two experts (A14B layout)
+
+    def __post_init__(self):
+        if self.layout not in WAN_LAYOUTS:
+            raise ValueError(f"TinyWanSpec.layout={self.layout!r}; allowed: {', '.join(WAN_LAYOUTS)}")
+
+    @property
+    def ti2v(self) -> bool:
+        return self.layout == "wan2.2-ti2v"
+
+    @property
+    def z_dim(self) -> int:
+        return 48 if self.ti2v else 16
+
+    @property
+    def vae_patch(self) -> int:
+        return 2 if self.ti2v else 1
+
+    @property
+    def spatial_factor(self) -> int:
+        return self.vae_patch * 2 ** (len(self.vae_dim_mult) - 1)
+
+    @property
+    def flow_shift(self) -> float:
+        return self.shift if self.shift is not None else (5.0 if self.ti2v else 3.0)
+
+
+def _tiny_wan_transformer(spec: TinyWanSpec):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=spec.heads, attention_head_dim=spec.head_dim,
+        in_channels=spec.z_dim, out_channels=spec.z_dim, text_dim=spec.text_d_model, freq_dim=spec.freq_dim,
+        ffn_dim=spec.ffn_dim, num_layers=spec.num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        eps=1e-6, rope_max_seq_len=1024,
+    )
+
+
+def build_tiny_wan(spec: TinyWanSpec, seed: int = 0):
+    """A random-weight `WanPipeline` of `spec`'s sizes (float32, CPU)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(seed)
+    tokenizer = word_tokenizer(spec.words, spec.text_max_length, add_bos=False)  # T5 style: "words </s>"
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=spec.text_d_model, d_kv=spec.text_d_model // spec.text_heads,
+        d_ff=spec.text_d_model * 2, num_layers=spec.text_layers, num_heads=spec.text_heads,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )).eval()
+    transformer = _tiny_wan_transformer(spec)
+    transformer_2 = _tiny_wan_transformer(spec) if spec.boundary_ratio is not None else None
+    z, stages = spec.z_dim, len(spec.vae_dim_mult) - 1
+    vae = AutoencoderKLWan(
+        base_dim=spec.vae_base_dim, decoder_base_dim=spec.vae_base_dim * (2 if spec.ti2v else 1), z_dim=z,
+        dim_mult=list(spec.vae_dim_mult), num_res_blocks=1, attn_scales=[],
+        temperal_downsample=[False] * (stages - 2) + [True, True], is_residual=spec.ti2v,
+        in_channels=3 * spec.vae_patch**2, out_channels=3 * spec.vae_patch**2,
+        patch_size=spec.vae_patch if spec.ti2v else None,
+        scale_factor_temporal=4, scale_factor_spatial=spec.spatial_factor,
+        # per-channel statistics away from (0, 1), so that the normalisation is exercised
+        latents_mean=[0.05 * (i % 7) - 0.15 for i in range(z)], latents_std=[0.8 + 0.1 * (i % 5) for i in range(z)],
+    )
+    if spec.scheduler == "unipc":
+        scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                            flow_shift=spec.flow_shift, num_train_timesteps=1000)
+    elif spec.scheduler == "euler":
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=spec.flow_shift, num_train_timesteps=1000)
+    else:
+        raise ValueError(f"TinyWanSpec.scheduler={spec.scheduler!r}; allowed: unipc, euler")
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                       transformer=transformer, transformer_2=transformer_2, boundary_ratio=spec.boundary_ratio,
+                       expand_timesteps=spec.ti2v)
+
+
+def save_tiny_wan(spec: TinyWanSpec, path: str | Path, seed: int = 0) -> Path:
+    """Build with `build_tiny_wan` and `save_pretrained` into `path` (a diffusers directory)."""
+    pipe = build_tiny_wan(spec, seed)
+    pipe.save_pretrained(str(path))
+    return Path(path)
