@@ -15,9 +15,8 @@ import torch
 from diffusers import SD3Transformer2DModel
 
 from polyrl.actor.local import add_lora
-from polyrl.models.sd3 import SD3_LORA_TARGETS
+from polyrl.models.sd3 import SD3_LORA_TARGETS, sd3_forward_flops
 from polyrl.perf.compile import compile_transformer
-from polyrl.models.sd3 import sd3_forward_flops
 from polyrl.perf.fp8 import apply_fp8
 
 SD35M_TRANSFORMER = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,

@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 
 from polyrl.actor.local import LocalActor
 from polyrl.algorithms.base import AlgorithmBase
-from polyrl.models import build_model
 from polyrl.latents import MediaShape
+from polyrl.models import build_model
 from polyrl.models.base import Guidance
 from polyrl.sampling.diffusion import SamplingPlan
 

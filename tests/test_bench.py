@@ -7,8 +7,8 @@ import pytest
 from diffusers import SD3Transformer2DModel
 
 from polyrl.cli.main import main
-from polyrl.perf.compile import repeated_blocks
 from polyrl.models.sd3 import sd3_forward_flops
+from polyrl.perf.compile import repeated_blocks
 from polyrl.perf.flops import epoch_flops
 
 

@@ -10,7 +10,9 @@ import torch
 from omegaconf import OmegaConf
 
 from polyrl.cli.main import main
+from polyrl.latents import MediaShape
 from polyrl.models import build_model
+from polyrl.models.base import Guidance
 from polyrl.models.qwen_image import (
     PROMPT_TEMPLATE,
     TEMPLATE_DROP,
@@ -20,8 +22,6 @@ from polyrl.models.qwen_image import (
     unpack_latents,
 )
 from polyrl.models.tiny import TinyQwenImageSpec, build_tiny_qwen_image, qwen_image_bench_spec, save_tiny_qwen_image
-from polyrl.latents import MediaShape
-from polyrl.models.base import Guidance
 from polyrl.sampling.diffusion import RolloutNoise, SamplingPlan, sample_latents
 
 PROMPTS = ["two red circles above a blue square", "a green triangle", "three yellow squares"]

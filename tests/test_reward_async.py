@@ -10,8 +10,8 @@ import torch
 
 from polyrl.batch import Rollout
 from polyrl.cli.main import main
-from polyrl.rewards import RewardOutput
 from polyrl.media import cat_media
+from polyrl.rewards import RewardOutput
 from polyrl.rewards.stage import RewardStage, merge_extras
 from polyrl.sampling.diffusion import MediaChunk, decode_chunk
 

@@ -158,8 +158,12 @@ def test_config_errors_are_clear():
         HttpReward("http://x", protocol="grpc")
     with pytest.raises(ValueError, match="must start with http:// or https://"):
         HttpReward("localhost:8000")
-    with pytest.raises(ValueError, match="reward=http sends images only; got video"):
-        HttpReward("http://x")(torch.zeros(1, 2, 3, 4, 4), ["a"], [{}])
+    with pytest.raises(ValueError, match="reward.protocol=flow_grpo_pickle sends images only; got video"):
+        HttpReward("http://x", protocol="flow_grpo_pickle")(torch.zeros(1, 2, 3, 4, 4), ["a"], [{}])
+    with pytest.raises(ValueError, match=r"reward.video_format='gif' is not valid; allowed: frames, mp4"):
+        HttpReward("http://x", video_format="gif")
+    with pytest.raises(ValueError, match=r"reward.mp4_crf=60 must be an integer in \[0, 51\]"):
+        HttpReward("http://x", mp4_crf=60)
 
 
 # ---------------------------------------------------------------------------------------- flow_grpo pickle

@@ -136,6 +136,8 @@ def test_config_accepts_mix_and_validates_components():
 class _FrameMean:
     """A frame-wise video reward: the mean brightness of every frame, averaged over frames."""
 
+    media = ("video",)  # reads video itself (an image scorer would get sampled frames)
+
     def __call__(self, video, prompts, metadata):
         assert media_kind(video) == "video"
         return RewardOutput(video.mean(dim=(2, 3, 4)).mean(1), {"video/frames": [video.shape[1]] * len(video)})
@@ -143,6 +145,8 @@ class _FrameMean:
 
 class _Loudness:
     """An audio reward: RMS of the waveform in decibels; checks that the sample rate travels with it."""
+
+    media = ("audio",)
 
     def __call__(self, audio, prompts, metadata):
         assert media_kind(audio) == "audio" and audio.sample_rate == 16000
@@ -250,11 +254,11 @@ def test_optional_ocr_failing_in_a_run_is_counted(tiny_sd3_dir, shape_prompts_fi
 def test_latent_reward_run_never_decodes(tiny_sd3_dir, shape_prompts_file, tmp_path, monkeypatch):
     """A 2-step CLI run with a latent-only mix: the adapter's decode is never called, metrics carry the
     component; the same run with an image reward in the mix does decode."""
-    from polyrl.models.sd3 import SD3Adapter
+    from polyrl.models.sd3 import SD3Policy
 
     calls = []
-    original = SD3Adapter.decode
-    monkeypatch.setattr(SD3Adapter, "decode", lambda self, latents: calls.append(latents.shape[0]) or original(self, latents))
+    original = SD3Policy.decode
+    monkeypatch.setattr(SD3Policy, "decode", lambda self, latents: calls.append(latents["x"].shape[0]) or original(self, latents))
     _, head = _latent_head(tmp_path)
 
     def run(out, mix):

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from polyrl.rewards import RewardOutput, build_reward
-from polyrl.serving.codec import encode_images
+from polyrl.rewards.codec import encode_images
 from polyrl.serving.server import BackgroundServer, ServerLimits, create_app
 
 
@@ -148,6 +148,22 @@ def test_a_large_request_is_split_into_scorer_calls_of_max_batch():
         body = httpx.post(srv.url + "/score", json={"images": encode_images(imgs), "prompts": ["p"] * 7}).json()
     assert reward.batch_sizes == [3, 3, 1]
     assert body["scores"] == pytest.approx((torch.round(imgs * 255) / 255).mean(dim=(1, 2, 3)).tolist(), abs=1e-6)
+
+
+def test_an_unusable_answer_is_a_500_and_the_server_keeps_serving():
+    """A scorer that returns no RewardOutput fails its request; the batching worker survives it."""
+    calls = []
+
+    def reward(images, prompts, metadata):
+        calls.append(prompts[0])
+        return None if prompts[0] == "none" else RewardOutput(images.mean(dim=(1, 2, 3)))
+
+    with BackgroundServer(create_app(reward, "odd")) as srv:
+        resp = httpx.post(srv.url + "/score", json={"images": encode_images(_images(1, 8)), "prompts": ["none"]})
+        assert resp.status_code == 500 and "the scorer returned an unusable answer (AttributeError" in resp.text
+        resp = httpx.post(srv.url + "/score", json={"images": encode_images(_images(1, 8)), "prompts": ["ok"]})
+        assert resp.status_code == 200
+    assert calls == ["none", "ok"]
 
 
 def test_scorer_failures_are_errors_not_scores_and_stay_with_their_request():

@@ -26,8 +26,10 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    # `reward.async` applies to every reward but is in no reward's YAML: add it rather than override it
-    overrides = [f"++{o}" if o.startswith("reward.async=") else o for o in overrides]
+    # `reward.async` / `reward.frames` / `reward.frame_reduce` apply to every reward but are in no reward's YAML:
+    # add them rather than override them
+    overrides = [f"++{o}" if o.startswith(("reward.async=", "reward.frames=", "reward.frame_reduce=")) else o
+                 for o in overrides]
     try:
         raw = _compose(overrides)
     except (HydraException, OmegaConfBaseException) as e:
@@ -49,7 +51,7 @@ def _allowed_under(parent: str | None, overrides: list[str]) -> str:
         rest = [o for o in overrides if not o.lstrip("+~").startswith(parent + ".")]
         name = _compose(rest)[parent]["name"]
         cls = (REWARDS if parent == "reward" else ALGORITHMS)[name]
-        extra = ["async", "name"] if parent == "reward" else ["name"]
+        extra = ["async", "frame_reduce", "frames", "name"] if parent == "reward" else ["name"]
         return ", ".join(sorted(inspect.signature(cls).parameters) + extra)
     schema = OmegaConf.structured(Config)
     node = OmegaConf.select(schema, parent) if parent else schema

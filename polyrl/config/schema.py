@@ -27,12 +27,15 @@ class ModelConfig:
     max_sequence_length: int = 256
     compile: str = "none"  # torch.compile the transformer after LoRA is added (and the SD3 VAE decoder): none | blocks (each block) | full
     fp8: bool = False  # frozen base linears as float8 matmuls (LoRA only; perf/fp8.py)
+    shift: float | None = None  # flow shift of the sigma grid where a model takes one (Wan); None: the checkpoint's
 
 
 @dataclass
 class RolloutConfig:
     height: int = 64
     width: int = 64
+    num_frames: int = 0  # video models: frames per sample (0: an image)
+    fps: float = 16.0  # video models: frame rate of the sample videos (and of models conditioned on it)
     num_steps: int = 10
     n: int = 8  # samples per prompt (the GRPO group)
     guidance_scale: float = 1.0
@@ -176,11 +179,21 @@ def validate(raw: DictConfig) -> DictConfig:
     overlap = reward_cfg.pop("async", False)  # a reward-stage option (rewards/stage.py), for every reward
     if not isinstance(overlap, bool):
         raise ConfigError(f"reward.async={overlap!r} must be true or false")
+    from ..rewards.base import pop_frame_sampling
+
+    try:  # reward.frames / reward.frame_reduce: how an image scorer reads video (call_reward), for every reward
+        pop_frame_sampling(reward_cfg, "reward")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _check_kwargs("reward", reward_cfg, REWARDS)
     r = cfg.rollout
     for key in ("height", "width", "num_steps", "n", "batch_size"):
         if r[key] < 1:
             raise ConfigError(f"rollout.{key}={r[key]} must be >= 1")
+    if r.num_frames < 0:
+        raise ConfigError(f"rollout.num_frames={r.num_frames} must be >= 0 (0: images)")
+    if r.fps <= 0:
+        raise ConfigError(f"rollout.fps={r.fps} must be > 0")
     if r.n < 2:
         raise ConfigError("rollout.n must be >= 2: group advantages need at least two samples per prompt")
     if not 0 <= r.sde_window_size <= r.num_steps:
@@ -191,7 +204,7 @@ def validate(raw: DictConfig) -> DictConfig:
             f"rollout.sde_window_range={list(r.sde_window_range)} must be [lo, hi] with 0 <= lo <= hi <= "
             f"num_steps - sde_window_size = {r.num_steps - r.sde_window_size}"
         )
-    from ..sampling.rollout import WINDOW_STRATEGIES
+    from ..sampling.diffusion import WINDOW_STRATEGIES
     from ..sampling.steps import STEPS
 
     _check_choice("rollout.step", r.step, sorted(STEPS))

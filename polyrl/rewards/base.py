@@ -18,18 +18,30 @@ A reward declares what it reads with the class attribute `inputs` ("images" when
 tuple of both). "images" stands for decoded media of any of the three kinds. A reward whose `inputs` does not
 contain "images" is called with `media=None`, and the trainer then skips the VAE decode for it.
 `latents` are the generator's clean latents (B, C, h, w) (or (B, C, T, h, w) for video), float32, on the CPU.
+
+Which kinds of decoded media a reward reads itself is the class attribute `media` (("images",) when absent;
+any of "images", "video", "audio"). Every image scorer also scores video: given (B, T, 3, H, W), `call_reward`
+scores K evenly spaced frames of each video as (B*K, 3, H, W) images (prompts, metadata and latents repeated
+per frame) and reduces the (B, K) scores to (B,) by the mean or the min. K and the reduction are the reward
+config's `frames` and `frame_reduce` (`build_reward` pops them, as `async`, and records them on the reward as
+`frame_sampling`). A reward never gets a kind it does not read: audio for an image scorer is an error.
 """
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
+from ..media import KINDS, Audio  # the one Audio type, re-exported here as polyrl.rewards.Audio
 from ..registry import Registry
 
 INPUT_KINDS = ("images", "latents")
+MEDIA_KINDS = KINDS  # ("images", "video", "audio")
+FRAME_REDUCES = ("mean", "min")
 
 
 @dataclass
@@ -39,23 +51,6 @@ class RewardOutput:
 
     scores: torch.Tensor
     extras: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Audio:
-    """A batch of waveforms: `waveform` (B, channels, samples) float in [-1, 1], `sample_rate` in Hz."""
-
-    waveform: torch.Tensor
-    sample_rate: int
-
-    def __post_init__(self):
-        if self.waveform.ndim != 3:
-            raise ValueError(f"Audio.waveform must be (B, channels, samples), got {tuple(self.waveform.shape)}")
-        if self.sample_rate <= 0:
-            raise ValueError(f"Audio.sample_rate must be > 0, got {self.sample_rate}")
-
-    def __len__(self) -> int:
-        return self.waveform.shape[0]
 
 
 class Reward(Protocol):
@@ -87,19 +82,169 @@ def media_kind(media) -> str:
 
 
 def media_len(media) -> int:
+    if isinstance(media, dict):  # several kinds of one batch: {kind: batch}
+        return media_len(next(iter(media.values())))
     return len(media) if isinstance(media, Audio) else int(media.shape[0])
 
 
-def call_reward(reward, media, prompts: list[str], metadata: list[dict], latents: torch.Tensor | None = None):
-    """Call `reward` with what it declares it reads (the one place the convention above is applied)."""
-    kinds = reward_inputs(reward)
-    if "images" in kinds and media is None:
-        raise ValueError(f"reward {type(reward).__name__} reads images but none were decoded")
+def media_slice(media, start: int, stop: int):
+    """Samples start..stop of a batch of images, video or `Audio`."""
+    if isinstance(media, Audio):
+        return Audio(media.waveform[start:stop], media.sample_rate)
+    return media[start:stop]
+
+
+def media_cat(parts: list):
+    """Batches of one kind and per-sample shape (and sample rate) -> one batch."""
+    return Audio.cat(parts) if isinstance(parts[0], Audio) else torch.cat(parts)
+
+
+def reward_media(reward) -> frozenset[str]:
+    """The kinds of decoded media a reward (or reward class) reads itself: its `media` attribute, default images."""
+    declared = getattr(reward, "media", ("images",))
+    kinds = frozenset([declared] if isinstance(declared, str) else declared)
+    bad = sorted(kinds - set(MEDIA_KINDS))
+    if bad or not kinds:
+        name = reward.__name__ if isinstance(reward, type) else type(reward).__name__
+        raise ValueError(f"reward {name}: media={declared!r}; allowed: {', '.join(MEDIA_KINDS)}")
+    return kinds
+
+
+@dataclass(frozen=True)
+class FrameSampling:
+    """How an image scorer reads video: `frames` evenly spaced frames per video (None: every frame), the
+    per-frame scores reduced by `reduce` (mean | min). `key` is the config key errors name ("reward",
+    "reward.mix.<label>")."""
+
+    frames: int | None = None
+    reduce: str = "mean"
+    key: str = "reward"
+
+
+def pop_frame_sampling(cfg: dict, key: str = "reward") -> FrameSampling | None:
+    """Pop `frames` and `frame_reduce` from a reward config (options of `call_reward`, not constructor
+    arguments) and check them; None when neither is set. ValueError naming `<key>.frames` for a bad value,
+    or for a reward that reads video itself (it takes no frame sampling)."""
+    frames, reduce = cfg.pop("frames", None), cfg.pop("frame_reduce", None)
+    if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int) or frames < 1):
+        raise ValueError(f"{key}.frames={frames!r} must be null (every frame) or an integer >= 1")
+    if reduce is not None and reduce not in FRAME_REDUCES:
+        raise ValueError(f"{key}.frame_reduce={reduce!r} is not valid; allowed: {', '.join(FRAME_REDUCES)}")
+    if frames is None and reduce is None:
+        return None
+    cls = REWARDS.get(cfg.get("name"))
+    if cls is not None and "video" in reward_media(cls):
+        raise ValueError(f"{key}.frames / {key}.frame_reduce: reward {cfg['name']} reads video itself, so it takes "
+                         "no frame sampling (set it on the image scorers it uses: a mix component, or the server's "
+                         "reward for reward=http)")
+    return FrameSampling(frames, reduce or "mean", key)
+
+
+def frame_indices(num_frames: int, frames: int | None, key: str = "reward") -> list[int]:
+    """`frames` evenly spaced frame indices, round(linspace(0, T-1, K)) (NumPy rounding: halves to even);
+    every frame when `frames` is None."""
+    if frames is None:
+        return list(range(num_frames))
+    if frames > num_frames:
+        raise ValueError(f"{key}.frames={frames} is more than the {num_frames} frames of the video")
+    return [int(i) for i in np.rint(np.linspace(0, num_frames - 1, frames))]
+
+
+def _reward_name(reward) -> str:
+    """The registered name of a reward's class (its class name when it is not registered)."""
+    return next((n for n, c in REWARDS.items() if c is type(reward)), type(reward).__name__)
+
+
+def _call(reward, kinds: frozenset[str], media, prompts, metadata, latents):
     if "latents" not in kinds:
         return reward(media, prompts, metadata)
     if latents is None:
         raise ValueError(f"reward {type(reward).__name__} reads latents but none were given")
     return reward(media if "images" in kinds else None, prompts, metadata, latents=latents)
+
+
+def call_reward(reward, media, prompts: list[str], metadata: list[dict], latents: torch.Tensor | None = None):
+    """Call `reward` with what it declares it reads (the one place the convention above is applied): an image
+    scorer given video scores its sampled frames (`score_frames`); a kind it cannot read is a ValueError."""
+    kinds = reward_inputs(reward)
+    if "images" in kinds and media is None:
+        raise ValueError(f"reward {type(reward).__name__} reads images but none were decoded")
+    if "images" in kinds and isinstance(media, dict):  # several kinds of one sample (e.g. video + audio)
+        media = _pick_media(reward, media)
+    if "images" in kinds and not isinstance(media, dict):
+        kind, native = media_kind(media), reward_media(reward)
+        if kind not in native:
+            if kind == "video" and "images" in native:
+                return score_frames(reward, media, prompts, metadata, latents)
+            raise ValueError(f"reward {_reward_name(reward)} reads {', '.join(sorted(native))}; it cannot score "
+                             f"{kind} (a reward declares the media it reads with its `media` attribute)")
+    return _call(reward, kinds, media, prompts, metadata, latents)
+
+
+def _pick_media(reward, media: dict):
+    """What a reward reads of `{kind: batch}` (a model that decodes several kinds per sample): the whole dict when
+    it reads every kind, else the one kind it reads, else the video for an image scorer."""
+    native = reward_media(reward)
+    readable = [k for k in media if k in native]
+    if len(readable) == len(media):
+        return media
+    if len(readable) == 1:
+        return media[readable[0]]
+    if not readable and "video" in media and "images" in native:
+        return media["video"]
+    raise ValueError(f"reward {_reward_name(reward)} reads {', '.join(sorted(native))}; the media are "
+                     f"{', '.join(media)}")
+
+
+def score_frames(reward, video: torch.Tensor, prompts: list[str], metadata: list[dict] | None,
+                 latents: torch.Tensor | None = None) -> RewardOutput:
+    """Score a (B, T, 3, H, W) video with an image scorer: the K frames of `reward.frame_sampling` (every frame
+    when unset) as (B*K, 3, H, W) images, prompts / metadata / latents repeated per frame, then the (B, K)
+    scores reduced to (B,) by its mean or min. Per-sample extras follow the scores: with mean, the mean of a
+    sample's numeric per-frame values; with min, the values of the frame that gave the lowest score. A
+    non-numeric per-frame extra keeps its value when all K frames agree, else None; other extras pass as they are.
+    """
+    sampling = getattr(reward, "frame_sampling", None) or FrameSampling()
+    name = _reward_name(reward)
+    b, t = video.shape[:2]
+    metadata = check_batch(name, b, prompts, metadata)
+    idx = frame_indices(t, sampling.frames, sampling.key)
+    k = len(idx)
+    images = video[:, idx].reshape(b * k, *video.shape[2:])
+    per_frame = [[x for x in xs for _ in range(k)] for xs in (prompts, metadata)]
+    lat = latents.repeat_interleave(k, 0) if latents is not None else None
+    out = _call(reward, reward_inputs(reward), images, *per_frame, lat)
+    scores = torch.as_tensor(out.scores).detach().to("cpu", torch.float64).reshape(-1)
+    if scores.numel() != b * k:
+        raise RuntimeError(f"reward {name} returned {scores.numel()} scores for {b} videos x {k} frames")
+    scores = scores.view(b, k)
+    if sampling.reduce == "mean":
+        reduced, pick = scores.mean(1), None
+    else:
+        reduced, pick = scores.min(1).values, scores.argmin(1).tolist()
+    extras = {key: _reduce_frames(v, b, k, pick) for key, v in out.extras.items()}
+    return RewardOutput(reduced.float(), extras)
+
+
+def _reduce_frames(value, b: int, k: int, pick: list[int] | None):
+    """A per-frame extra (length B*K) -> per sample (length B): the mean of numeric values (`pick` None) or the
+    picked frame's value; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        value = value.reshape(-1).tolist() if value.ndim > 0 else value
+    if not isinstance(value, list | tuple) or len(value) != b * k:
+        return value
+    out = []
+    for i in range(b):
+        frames = list(value[i * k : (i + 1) * k])
+        if pick is not None:
+            out.append(frames[pick[i]])
+            continue
+        values = [float(x) for x in frames if isinstance(x, numbers.Real) and not isinstance(x, bool)]
+        if len(values) == k:
+            out.append(sum(values) / k)
+        else:
+            out.append(frames[0] if all(x == frames[0] for x in frames) else None)
+    return out
 
 
 def image_batch_as_uint8(images: torch.Tensor) -> list:
@@ -139,7 +284,14 @@ REWARDS = Registry("reward")
 register_reward = REWARDS.register
 
 
-def build_reward(cfg: dict) -> Reward:
+def build_reward(cfg: dict, key: str = "reward") -> Reward:
+    """The reward of a config (`name` + constructor arguments). `async` (a reward-stage option) and `frames` /
+    `frame_reduce` (how an image scorer reads video, recorded as `reward.frame_sampling`) are not constructor
+    arguments; `key` names the config in errors."""
     cfg = dict(cfg)
     cfg.pop("async", None)  # a reward-stage option (rewards/stage.py), not a constructor argument
-    return REWARDS.build(cfg.pop("name"), **cfg)
+    sampling = pop_frame_sampling(cfg, key)
+    reward = REWARDS.build(cfg.pop("name"), **cfg)
+    if sampling is not None:
+        reward.frame_sampling = sampling
+    return reward

@@ -1,11 +1,12 @@
 """`reward=http`: score through a reward server (`polyrl serve-reward`, or a flow_grpo-style pickle server).
 
-The batch is cut into requests of `chunk_size` images, sent concurrently (at most `max_concurrency` at a
-time) over pooled keep-alive connections (httpx, one event loop in a background thread for the reward's
-life). A request is retried with exponential backoff (`backoff * 2**attempt`, at most `max_backoff`
+The batch (images, video or audio: whatever the trainer decoded, sent as `images`, `videos` or `audio`; see
+`polyrl.rewards.codec`) is cut into requests of `chunk_size` samples, sent concurrently (at most
+`max_concurrency` at a time) over pooled keep-alive connections (httpx, one event loop in a background thread
+for the reward's life). A request is retried with exponential backoff (`backoff * 2**attempt`, at most `max_backoff`
 seconds, or the server's `Retry-After`) on transport errors and timeouts, 408, 429 and 5xx, up to
 `max_retries` times; any other 4xx is the caller's mistake and fails at once. Every request carries an
-`X-Request-ID`; the server's answer must echo it and hold exactly one score per image, or the call fails:
+`X-Request-ID`; the server's answer must echo it and hold exactly one score per sample, or the call fails:
 a score is never attached to the wrong sample. When the retry budget is spent the call raises
 `RewardUnavailable` (naming the URL and the last error); the trainer then saves a checkpoint and stops.
 
@@ -14,7 +15,7 @@ a score is never attached to the wrong sample. When the retry budget is spent th
 dict holding "scores" or "outputs"). Unpickling a server's answer can run code chosen by that server: use it
 only for servers you run yourself. The answer is read with an unpickler that accepts only plain containers,
 numbers, strings and numpy arrays, which refuses the usual code-running payloads, but that is a mitigation,
-not a sandbox.
+not a sandbox. That protocol carries images only.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ import uuid
 import numpy as np
 import torch
 
-from ..serving.codec import FORMATS, encode_image_bytes, encode_images, to_uint8
-from .base import RewardOutput, media_kind, register_reward
+from .base import MEDIA_KINDS, RewardOutput, media_kind, media_len, media_slice, register_reward
+from .codec import FORMATS, VIDEO_FORMATS, encode_audio, encode_image_bytes, encode_images, encode_videos, to_uint8
 from .stage import RewardUnavailable, merge_extras
 
 PROTOCOLS = ("json", "flow_grpo_pickle")
 RETRY_STATUS = frozenset({408, 429})  # and every 5xx
+FIELDS = {"images": "images", "video": "videos", "audio": "audio"}  # media kind -> request field
 
 
 class RewardRequestRejected(RewardUnavailable):
@@ -103,7 +105,13 @@ class HttpReward:
     """Client of a remote reward. `url`: the server's base URL (json: `POST {url}/score`; flow_grpo_pickle:
     `POST {url}` as given). The bearer token is read from the environment variable named by `token_env`
     (so it never lands in the run's saved config.yaml); no token is sent when it is unset.
+
+    Video goes as PNG/JPEG frames (`video_format=frames`, `image_format`; PNG is lossless) or as one mp4 per
+    video (`video_format=mp4`, H.264 4:4:4 at `mp4_crf`: smaller, lossy); audio as 16-bit WAV. Frame sampling of
+    an image scorer happens on the server (`polyrl serve-reward reward=<name> reward.frames=K`).
     """
+
+    media = MEDIA_KINDS  # sends whatever it is given; the server's reward decides what it can score
 
     def __init__(
         self,
@@ -120,11 +128,17 @@ class HttpReward:
         image_format: str = "png",
         jpeg_quality: int = 95,
         score_key: str | None = None,
+        video_format: str = "frames",
+        mp4_crf: int = 18,
     ):
         if protocol not in PROTOCOLS:
             raise ValueError(f"reward.protocol={protocol!r} is not valid; allowed: {', '.join(PROTOCOLS)}")
         if image_format not in FORMATS:
             raise ValueError(f"reward.image_format={image_format!r} is not valid; allowed: {', '.join(FORMATS)}")
+        if video_format not in VIDEO_FORMATS:
+            raise ValueError(f"reward.video_format={video_format!r} is not valid; allowed: {', '.join(VIDEO_FORMATS)}")
+        if isinstance(mp4_crf, bool) or not isinstance(mp4_crf, int) or not 0 <= mp4_crf <= 51:
+            raise ValueError(f"reward.mp4_crf={mp4_crf!r} must be an integer in [0, 51] (x264 constant quality)")
         if not str(url).startswith(("http://", "https://")):
             raise ValueError(f"reward.url={url!r} must start with http:// or https://")
         for key, value in (("chunk_size", chunk_size), ("max_concurrency", max_concurrency)):
@@ -138,6 +152,7 @@ class HttpReward:
         self.timeout, self.connect_timeout = float(timeout), float(connect_timeout)
         self.max_retries, self.backoff, self.max_backoff = max_retries, float(backoff), float(max_backoff)
         self.image_format, self.jpeg_quality, self.score_key = image_format, jpeg_quality, score_key
+        self.video_format, self.mp4_crf = video_format, mp4_crf
         self.token = os.environ.get(token_env) if token_env else None
         self._ids = itertools.count()
         self._session = uuid.uuid4().hex[:12]
@@ -147,15 +162,18 @@ class HttpReward:
         self.stats = {"requests": 0, "retries": 0}
 
     # ------------------------------------------------------------------------------------------ public
-    def __call__(self, images, prompts, metadata) -> RewardOutput:
-        if media_kind(images) != "images":
-            raise ValueError(f"reward=http sends images only; got {media_kind(images)}")
-        n = images.shape[0]
+    def __call__(self, media, prompts, metadata) -> RewardOutput:
+        kind = media_kind(media)
+        if kind != "images" and self.protocol != "json":
+            raise ValueError(f"reward.protocol={self.protocol} sends images only; got {kind} (serve the reward with "
+                             "polyrl serve-reward and use reward.protocol=json)")
+        n = media_len(media)
         metadata = list(metadata) if metadata is not None else [{} for _ in range(n)]
         if len(prompts) != n or len(metadata) != n:
-            raise ValueError(f"reward=http: {n} images, {len(prompts)} prompts, {len(metadata)} metadata entries")
+            raise ValueError(f"reward=http: {n} {FIELDS[kind]}, {len(prompts)} prompts, {len(metadata)} metadata "
+                             "entries")
         chunks = [slice(i, min(n, i + self.chunk_size)) for i in range(0, n, self.chunk_size)]
-        results = self._run(self._score_all(images, list(prompts), metadata, chunks))
+        results = self._run(self._score_all(media, list(prompts), metadata, chunks))
         scores = torch.tensor([s for part, _ in results for s in part], dtype=torch.float32)
         return RewardOutput(scores, merge_extras([(len(part), extras) for part, extras in results]))
 
@@ -185,12 +203,12 @@ class HttpReward:
             self._client = httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers)
         return self._client
 
-    async def _score_all(self, images, prompts, metadata, chunks):
+    async def _score_all(self, media, prompts, metadata, chunks):
         gate = asyncio.Semaphore(self.max_concurrency)
 
         async def one(sl: slice):
             async with gate:
-                return await self._score_chunk(images[sl], prompts[sl], metadata[sl])
+                return await self._score_chunk(media_slice(media, sl.start, sl.stop), prompts[sl], metadata[sl])
 
         tasks = [asyncio.ensure_future(one(sl)) for sl in chunks]
         try:
@@ -200,11 +218,12 @@ class HttpReward:
                 t.cancel()
 
     # ------------------------------------------------------------------------------------------ one request
-    async def _score_chunk(self, images, prompts, metadata) -> tuple[list[float], dict]:
+    async def _score_chunk(self, media, prompts, metadata) -> tuple[list[float], dict]:
         import httpx
 
         rid = f"{self._session}-{next(self._ids)}"  # the same id on every retry of this request
-        body = await asyncio.to_thread(self._encode, images, prompts, metadata)
+        body = await asyncio.to_thread(self._encode, media, prompts, metadata)
+        what = FIELDS[media_kind(media)]
         headers = {"X-Request-ID": rid}
         headers["Content-Type"] = "application/json" if self.protocol == "json" else "application/octet-stream"
         last = "no attempt made"
@@ -213,7 +232,7 @@ class HttpReward:
             try:
                 self.stats["requests"] += 1
                 resp = await self._http().post(self.endpoint, content=body, headers=headers)
-                return self._parse(resp, rid, len(prompts))
+                return self._parse(resp, rid, len(prompts), what)
             except httpx.TransportError as e:  # connect/read errors and timeouts
                 last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             except _Retryable as e:
@@ -226,17 +245,22 @@ class HttpReward:
             f"{self.max_retries}); last error: {last}"
         )
 
-    def _encode(self, images, prompts, metadata) -> bytes:
+    def _encode(self, media, prompts, metadata) -> bytes:
         import json
 
         if self.protocol == "json":
-            payload = {"images": encode_images(images, self.image_format, self.jpeg_quality),
-                       "prompts": prompts, "metadata": metadata}
-            return json.dumps(payload).encode()
-        jpegs = [encode_image_bytes(a, "jpeg", self.jpeg_quality) for a in to_uint8(images)]
+            kind = media_kind(media)
+            if kind == "images":
+                items = encode_images(media, self.image_format, self.jpeg_quality)
+            elif kind == "video":
+                items = encode_videos(media, self.video_format, self.image_format, self.jpeg_quality, self.mp4_crf)
+            else:
+                items = encode_audio(media)
+            return json.dumps({FIELDS[kind]: items, "prompts": prompts, "metadata": metadata}).encode()
+        jpegs = [encode_image_bytes(a, "jpeg", self.jpeg_quality) for a in to_uint8(media)]
         return pickle.dumps({"images": jpegs, "prompts": prompts, "meta_datas": metadata})
 
-    def _parse(self, resp, rid: str, n: int) -> tuple[list[float], dict]:
+    def _parse(self, resp, rid: str, n: int, what: str = "images") -> tuple[list[float], dict]:
         code = resp.status_code
         if code in RETRY_STATUS or code >= 500:
             raise _Retryable(f"HTTP {code}: {_detail(resp)}", _retry_after(resp))
@@ -270,6 +294,6 @@ class HttpReward:
         except (TypeError, ValueError):
             raise RewardRequestRejected(f"reward server {self.endpoint} returned non-numeric scores") from None
         if scores.size != n or not np.isfinite(scores).all():
-            raise RewardRequestRejected(f"reward server {self.endpoint} returned {scores.size} scores for {n} images "
+            raise RewardRequestRejected(f"reward server {self.endpoint} returned {scores.size} scores for {n} {what} "
                                         f"(non-finite: {int((~np.isfinite(scores)).sum())})")
         return scores.tolist(), {k: (list(v) if isinstance(v, (list, tuple, np.ndarray)) else v) for k, v in extras.items()}

@@ -12,6 +12,10 @@ component's own constructor arguments:
     mix:
       ocr: 0.7
       pickscore: {weight: 0.3, required: false, path: /ckpt/pickscore}
+    clip_score: {weight: 0.2, frames: 4, frame_reduce: min}   # an image scorer on video: its own frames
+
+A component's `frames` / `frame_reduce` are its own (how that image scorer reads video, rewards/base.py); the
+mix itself passes the media to every component as it is, so it takes none.
 
 Per sample i, with S_i the components that scored it (no exception, finite score):
 
@@ -31,11 +35,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import REWARDS, RewardOutput, build_reward, call_reward, media_len, register_reward, reward_inputs
+from .base import (
+    MEDIA_KINDS,
+    REWARDS,
+    RewardOutput,
+    build_reward,
+    call_reward,
+    media_len,
+    pop_frame_sampling,
+    register_reward,
+    reward_inputs,
+    reward_media,
+)
 
 log = logging.getLogger(__name__)
 RESERVED_LABELS = ("mean", "std")  # reward/mean and reward/std are the trainer's own metrics
 COMPONENT_KEYS = ("weight", "required", "reward")
+FRAME_KEYS = ("frames", "frame_reduce")  # a component's frame sampling (build_reward's options)
 
 
 @dataclass
@@ -45,6 +61,7 @@ class Component:
     weight: float
     required: bool = True
     kwargs: dict = field(default_factory=dict)
+    frame_options: dict = field(default_factory=dict)  # frames / frame_reduce, when set
 
 
 def parse_mix(mix) -> list[Component]:
@@ -71,7 +88,9 @@ def parse_mix(mix) -> list[Component]:
             hint = "" if "reward" in (mix[label] if isinstance(mix[label], dict) else {}) else \
                 f" (the label is the reward's name unless {key}.reward is set)"
             raise ValueError(f"{key}: reward {name!r} is not registered{hint}; allowed: {', '.join(sorted(REWARDS))}")
-        out.append(Component(str(label), name, float(weight), required, spec))
+        frame_options = {k: spec.pop(k) for k in FRAME_KEYS if k in spec}
+        pop_frame_sampling({"name": name, **frame_options}, key)  # checks the values, names the key
+        out.append(Component(str(label), name, float(weight), required, spec, frame_options))
     if sum(abs(c.weight) for c in out) == 0:
         raise ValueError("reward.mix: all weights are 0")
     return out
@@ -81,12 +100,20 @@ def parse_mix(mix) -> list[Component]:
 class MixReward:
     """Weighted sum of rewards (see the module docstring). Extras per component: `reward/<label>` (its
     score, NaN where it failed), `reward/<label>/failed` (1.0 where it failed, so the logged mean is the
-    fraction of the step's samples it failed on), plus each component's own extras."""
+    fraction of the step's samples it failed on), plus each component's own extras.
+
+    Media go to every component as they are (`call_reward` applies each one's own frame sampling to video), so
+    the class reads every kind; an instance reads what its components read (video too when one reads images)."""
+
+    media = MEDIA_KINDS
 
     def __init__(self, mix: dict):
         self.components = parse_mix(mix)
-        self.rewards = {c.label: build_reward({"name": c.reward, **c.kwargs}) for c in self.components}
+        self.rewards = {c.label: build_reward({"name": c.reward, **c.kwargs, **c.frame_options},
+                                              f"reward.mix.{c.label}") for c in self.components}
         self.inputs = tuple(sorted(set().union(*(reward_inputs(r) for r in self.rewards.values()))))
+        media = set().union(*(reward_media(r) for r in self.rewards.values()))
+        self.media = tuple(k for k in MEDIA_KINDS if k in media or (k == "video" and "images" in media))
         self.last_errors: dict[str, str] = {}
 
     @staticmethod

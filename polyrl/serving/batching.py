@@ -1,9 +1,12 @@
-"""Server-side batching: concurrent requests are merged into scorer calls of at most `max_batch` images.
+"""Server-side batching: concurrent requests are merged into scorer calls of at most `max_batch` samples.
 
-A request is cut into pieces of at most `max_batch` images; pieces of equal image size are merged (in arrival
-order) until the batch is full or `max_wait_s` has passed since the first piece was taken, then the scorer runs
-once, in its own thread, and the scores and per-sample extras are split back to their requests. The scorer is
-never called concurrently (it usually owns one model on one device).
+A request (a batch of images, videos or audio clips) is cut into pieces of at most `max_batch` samples; pieces
+of the same kind and shape (image size; video frames and size; audio channels, length and sample rate) are
+merged (in arrival order) until the batch is full or `max_wait_s` has passed since the first piece was taken,
+then the scorer runs once through `call_reward`, in its own thread, and the scores and per-sample extras are
+split back to their requests. The scorer is never called concurrently (it usually owns one model on one
+device). An image scorer scoring video gets K frames per video (`reward.frames`), so its call holds up to
+`max_batch * K` images.
 
 If a merged call raises, each of its requests is scored again alone, so an error is reported to the request
 that caused it and the others still get their scores.
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..rewards.base import RewardOutput
+from ..rewards.base import Audio, RewardOutput, call_reward, media_cat, media_kind, media_len, media_slice
 
 
 class ScorerFailed(RuntimeError):
@@ -31,18 +34,26 @@ class ScorerFailed(RuntimeError):
         self.rejected_input = rejected_input
 
 
-@dataclass
+def media_key(media) -> tuple:
+    """What two batches must share to be scored in one call: kind and per-sample shape (and sample rate)."""
+    if isinstance(media, Audio):
+        return ("audio", tuple(media.waveform.shape[1:]), media.sample_rate)
+    return (media_kind(media), tuple(media.shape[1:]))
+
+
+@dataclass(eq=False)  # compared by identity (a field-wise == would compare the media tensors)
 class _Job:
-    images: torch.Tensor  # (n, 3, H, W)
+    media: torch.Tensor | Audio  # images (n, 3, H, W), video (n, T, 3, H, W) or Audio
     prompts: list[str]
     metadata: list[dict]
     future: asyncio.Future
     scores: list[float | None] = field(default_factory=list)
     extras: dict[str, list] = field(default_factory=dict)
     remaining: int = 0  # pieces not yet scored
+    key: tuple = ()  # media_key(media): only pieces of one key are merged
 
 
-@dataclass
+@dataclass(eq=False)
 class _Piece:
     job: _Job
     start: int
@@ -53,8 +64,8 @@ class _Piece:
         return self.stop - self.start
 
     @property
-    def image_shape(self) -> tuple[int, ...]:
-        return tuple(self.job.images.shape[1:])
+    def key(self) -> tuple:
+        return self.job.key
 
 
 def _plain(value):
@@ -82,7 +93,7 @@ def per_sample_extras(extras: dict, n: int) -> tuple[dict[str, list], dict]:
 def checked_scores(out: RewardOutput, n: int) -> list[float]:
     scores = torch.as_tensor(out.scores, dtype=torch.float32).reshape(-1)
     if scores.numel() != n:
-        raise ScorerFailed(f"scorer returned {scores.numel()} scores for {n} images")
+        raise ScorerFailed(f"scorer returned {scores.numel()} scores for {n} samples")
     bad = int((~torch.isfinite(scores)).sum())
     if bad:
         raise ScorerFailed(f"scorer returned {bad} non-finite scores of {n}")
@@ -90,7 +101,7 @@ def checked_scores(out: RewardOutput, n: int) -> list[float]:
 
 
 class BatchingScorer:
-    """`await score(images, prompts, metadata)` from any number of concurrent requests."""
+    """`await score(media, prompts, metadata)` from any number of concurrent requests."""
 
     def __init__(self, reward, max_batch: int = 64, max_wait_s: float = 0.005):
         if max_batch < 1:
@@ -100,14 +111,16 @@ class BatchingScorer:
         self._arrived = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyrl-scorer")
         self._worker: asyncio.Task | None = None
+        # "images": the samples scored (images, videos or audio clips)
         self.stats = {"requests": 0, "images": 0, "scorer_calls": 0, "scorer_errors": 0}
 
-    async def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> tuple[list, dict, dict]:
+    async def score(self, media, prompts: list[str], metadata: list[dict]) -> tuple[list, dict, dict]:
         """(scores, per-sample extras, other extras) for one request."""
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._run())
-        n = images.shape[0]
-        job = _Job(images, prompts, metadata, asyncio.get_running_loop().create_future(), [None] * n)
+        n = media_len(media)
+        job = _Job(media, prompts, metadata, asyncio.get_running_loop().create_future(), [None] * n,
+                   key=media_key(media))
         for start in range(0, n, self.max_batch):
             self._pieces.append(_Piece(job, start, min(n, start + self.max_batch)))
             job.remaining += 1
@@ -129,7 +142,7 @@ class BatchingScorer:
         deadline = time.monotonic() + self.max_wait_s
         while True:
             size = sum(p.size for p in batch)
-            fits = [p for p in self._pieces if p.image_shape == batch[0].image_shape and p.size + size <= self.max_batch]
+            fits = [p for p in self._pieces if p.key == batch[0].key and p.size + size <= self.max_batch]
             if fits:
                 self._pieces.remove(fits[0])
                 batch.append(fits[0])
@@ -170,19 +183,24 @@ class BatchingScorer:
             job.future.set_exception(error)
 
     async def _score_pieces(self, loop, batch: list[_Piece]) -> None:
-        images = torch.cat([p.job.images[p.start : p.stop] for p in batch])
+        media = media_cat([media_slice(p.job.media, p.start, p.stop) for p in batch])
         prompts = [x for p in batch for x in p.job.prompts[p.start : p.stop]]
         metadata = [x for p in batch for x in p.job.metadata[p.start : p.stop]]
         self.stats["scorer_calls"] += 1
         try:
-            out = await loop.run_in_executor(self._executor, self.reward, images, prompts, metadata)
+            out = await loop.run_in_executor(self._executor, call_reward, self.reward, media, prompts, metadata)
         except ValueError as e:
             raise ScorerFailed(f"the scorer rejected the input: {type(e).__name__}: {e}", rejected_input=True) from e
         except Exception as e:
             raise ScorerFailed(f"the scorer raised {type(e).__name__}: {e}") from e
-        n = images.shape[0]
-        scores = checked_scores(out, n)
-        per_sample, other = per_sample_extras(out.extras, n)
+        n = len(prompts)
+        try:
+            scores = checked_scores(out, n)
+            per_sample, other = per_sample_extras(out.extras, n)
+        except ScorerFailed:
+            raise
+        except Exception as e:  # e.g. not a RewardOutput: an error for the request, never a dead worker
+            raise ScorerFailed(f"the scorer returned an unusable answer ({type(e).__name__}: {e})") from e
         offset = 0
         for p in batch:
             job = p.job

@@ -12,12 +12,14 @@ from .server import ServerLimits
 
 def reward_config(args: list[str]) -> dict:
     """`reward=<name>` (its YAML in polyrl/config/reward/ when there is one) + `reward.key=value` overrides,
-    checked against the reward's constructor as `polyrl train` checks them."""
+    checked against the reward's constructor as `polyrl train` checks them. `reward.frames` /
+    `reward.frame_reduce` (how an image scorer reads video) are checked and kept for `build_reward`."""
     from omegaconf import OmegaConf
 
     from ..config import ConfigError
     from ..config.schema import _check_kwargs
     from ..rewards import REWARDS
+    from ..rewards.base import pop_frame_sampling
 
     names = [a.partition("=")[2] for a in args if a.startswith("reward=")]
     bad = [a for a in args if not a.startswith(("reward=", "reward."))]
@@ -33,8 +35,13 @@ def reward_config(args: list[str]) -> dict:
         raise ConfigError(f"reward.{sorted(OmegaConf.missing_keys(cfg))[0]} must be set")
     out = OmegaConf.to_container(cfg, resolve=True)
     out.pop("async", None)  # a trainer-side option; meaningless on the server
+    frame_options = {k: out[k] for k in ("frames", "frame_reduce") if k in out}
+    try:
+        pop_frame_sampling(out, "reward")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _check_kwargs("reward", out, REWARDS)
-    return out
+    return {**out, **frame_options}
 
 
 def main(argv: list[str]) -> int:
@@ -48,12 +55,20 @@ def main(argv: list[str]) -> int:
     p.add_argument("--token", default=None,
                    help="require 'Authorization: Bearer <token>' on /score (default: $POLYRL_REWARD_TOKEN if set)")
     defaults = ServerLimits()
-    p.add_argument("--max-batch", type=int, default=defaults.max_batch, help="images per scorer call")
+    p.add_argument("--max-batch", type=int, default=defaults.max_batch,
+                   help="samples (images, videos, audio clips) per scorer call")
     p.add_argument("--max-wait-ms", type=float, default=defaults.max_wait_ms,
                    help="how long a scorer call waits for more requests to merge")
     p.add_argument("--max-body-mb", type=float, default=defaults.max_body_bytes / 2**20)
-    p.add_argument("--max-images", type=int, default=defaults.max_images, help="images in one request")
-    p.add_argument("--max-image-pixels", type=int, default=defaults.max_image_pixels)
+    p.add_argument("--max-images", type=int, default=defaults.max_images,
+                   help="images, videos or audio clips in one request")
+    p.add_argument("--max-image-pixels", type=int, default=defaults.max_image_pixels,
+                   help="width * height of one image or video frame")
+    p.add_argument("--max-frames", type=int, default=defaults.max_frames, help="frames of one video")
+    p.add_argument("--max-request-pixels", type=int, default=defaults.max_request_pixels,
+                   help="width * height summed over all images and frames of one request")
+    p.add_argument("--max-audio-seconds", type=float, default=defaults.max_audio_seconds,
+                   help="length of one audio clip")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE first (a module that registers your own reward with @register_reward)")
     p.add_argument("--log-level", default="info")
@@ -66,7 +81,9 @@ def main(argv: list[str]) -> int:
 
     cfg = reward_config(a.overrides)
     limits = ServerLimits(max_body_bytes=int(a.max_body_mb * 2**20), max_images=a.max_images,
-                          max_image_pixels=a.max_image_pixels, max_batch=a.max_batch, max_wait_ms=a.max_wait_ms)
+                          max_image_pixels=a.max_image_pixels, max_frames=a.max_frames,
+                          max_request_pixels=a.max_request_pixels, max_audio_seconds=a.max_audio_seconds,
+                          max_batch=a.max_batch, max_wait_ms=a.max_wait_ms)
     token = a.token if a.token is not None else os.environ.get("POLYRL_REWARD_TOKEN") or None
     reward = build_reward(cfg)
     print(f"polyrl: serving reward {cfg['name']} on http://{a.host}:{a.port} (POST /score, GET /health"

@@ -149,7 +149,10 @@ class Trainer:
         self.plan = plan_from_config(cfg.rollout)
 
         self.adapter = build_model(cfg.model, self.device)
-        self.latent_shapes = self.adapter.latent_shapes(self.plan.shape)  # a shape the model cannot make fails here
+        try:  # a media shape the model cannot make is a config error, reported before anything runs
+            self.latent_shapes = self.adapter.latent_shapes(self.plan.shape)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.actor = LocalActor(self.adapter, cfg.actor, self.plan, self.algo, cfg.rollout_correction, self.engine)
         for network in self.adapter.modules().values():
             if cfg.model.fp8:
