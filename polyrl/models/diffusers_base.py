@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..latents import Latents
-from .base import Cond, Guidance, Media, Prompt, prompt_text
+from .base import Cond, Guidance, Media, Prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,8 +63,6 @@ class DiffusersPolicy:
 
     default_lora_targets: list[str] = []
     family = "diffusers"
-    # keys of the per-sample conditioning `_encode_one` returns; variable-length keys are padded by `_collate`
-    cond_keys: tuple[str, ...] = ()
 
     def __init__(self, cfg, device: torch.device, needed: tuple[str, ...]):
         self.root = Path(cfg.path)
@@ -158,6 +156,3 @@ class DiffusersPolicy:
     def encode_media(self, media: Media) -> Latents:
         raise NotImplementedError
 
-
-__all__ = ["DTYPES", "DiffusersPolicy", "frozen", "load_component", "load_model_index", "pipeline_components",
-           "prompt_text"]

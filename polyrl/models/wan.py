@@ -101,7 +101,6 @@ def _select(values: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, t
 class WanPolicy(DiffusersPolicy):
     default_lora_targets = WAN_LORA_TARGETS
     family = "Wan"
-    cond_keys = ("prompt_embeds",)
 
     def __init__(self, cfg, device: torch.device):
         super().__init__(cfg, device, ("vae", "text_encoder", "tokenizer", "scheduler"))
