@@ -227,7 +227,7 @@ class LocalActor:
         with self.policy(policy):
             v = self.adapter.velocity(x, sigma, cond, shared, self.plan.guidance.scale)
         out = step_latents(self.step_fn, x, v, sigma, sigma_next, batch.noise_levels[:, k].to(dev), self.sigma_1,
-                           prev=x_next)
+                           prev=x_next, log_density=self.plan.log_density)
         if policy == "current":
             out.weight = self._weight(batch, k, out.log_prob.detach())
         return out

@@ -48,6 +48,8 @@ class AlgorithmBase:
     teacher_path: str | None = None  # a frozen teacher (polyrl checkpoint or diffusers directory)
     adv_std: str = "global"
     adv_clip_max: float = 5.0
+    kl_form: str = "exact"  # the KL term's form: exact | flow_grpo (§3 convention (a), flow_grpo.kl_to_reference)
+    drop_zero_advantage: bool = False  # train without the samples whose advantage is 0 (§3 convention (c))
 
     @property
     def needs_reference(self) -> bool:
@@ -59,8 +61,12 @@ class AlgorithmBase:
         return batch.log_probs.shape[1]
 
     def prepare(self, batch: Rollout) -> Rollout:
-        """The training batch made from a scored rollout (e.g. DPO pairs); default: the rollout itself."""
-        return batch
+        """The training batch made from a scored rollout (e.g. DPO pairs); default: the rollout itself, without
+        its zero-advantage samples when `drop_zero_advantage` (flow_grpo's choice: a flat group then does not
+        dilute the mean of the policy gradient)."""
+        if not self.drop_zero_advantage:
+            return batch
+        return batch.select(torch.nonzero(batch.advantages != 0).flatten())
 
     def old_decay(self, update: int) -> float | None:
         """Decay d of the old-policy update old ← d·old + (1−d)·θ after update number `update`; None: actor.ema_decay."""

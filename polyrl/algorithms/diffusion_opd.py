@@ -19,8 +19,9 @@ class DiffusionOPD(FlowGRPO):
     """`distill_coef`·distill_kl alone (`policy_gradient: false`) or added to the Flow-GRPO loss."""
 
     def __init__(self, teacher_path: str, distill_coef: float = 1.0, policy_gradient: bool = False,
-                 clip_range: float = 1e-4, kl_beta: float = 0.0, adv_std: str = "global", adv_clip_max: float = 5.0):
-        super().__init__(clip_range, kl_beta, adv_std, adv_clip_max)
+                 clip_range: float = 1e-4, kl_beta: float = 0.0, adv_std: str = "global", adv_clip_max: float = 5.0,
+                 kl_form: str = "exact", drop_zero_advantage: bool = False):
+        super().__init__(clip_range, kl_beta, adv_std, adv_clip_max, kl_form, drop_zero_advantage)
         self.teacher_path, self.distill_coef, self.policy_gradient = teacher_path, distill_coef, policy_gradient
 
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:

@@ -6,7 +6,7 @@ import torch
 
 from ..batch import Rollout
 from .base import AlgorithmBase, PolicyEvaluator, register_algorithm, weighted_mean
-from .flow_grpo import add_reference_kl, gaussian_mean_kl, old_log_prob, old_mean
+from .flow_grpo import add_reference_kl, checked_kl_form, gaussian_mean_kl, old_log_prob, old_mean
 
 
 def dppo_loss(log_prob, old_log_prob, mean, old_mean, std, advantages, tau: float, weight=None):
@@ -22,8 +22,10 @@ def dppo_loss(log_prob, old_log_prob, mean, old_mean, std, advantages, tau: floa
 
 @register_algorithm("flow_dppo")
 class FlowDPPO(AlgorithmBase):
-    def __init__(self, tau: float = 1e-5, kl_beta: float = 0.0, adv_std: str = "global", adv_clip_max: float = 5.0):
+    def __init__(self, tau: float = 1e-5, kl_beta: float = 0.0, adv_std: str = "global", adv_clip_max: float = 5.0,
+                 kl_form: str = "exact", drop_zero_advantage: bool = False):
         self.tau, self.kl_beta, self.adv_std, self.adv_clip_max = tau, kl_beta, adv_std, adv_clip_max
+        self.kl_form, self.drop_zero_advantage = checked_kl_form(kl_form), drop_zero_advantage
 
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
         out = policy.step(batch, k)
@@ -32,6 +34,6 @@ class FlowDPPO(AlgorithmBase):
                                            old_mean(batch, k, out.mean), out.std, adv, self.tau, out.weight)
         stats = {"policy_loss": loss.detach(), "drop_frac": (~keep).float().mean(), "ratio_mean": ratio.detach().mean(),
                  "dppo_div": div.mean()}
-        loss = add_reference_kl(policy, batch, k, out, self.kl_beta, loss, stats)
+        loss = add_reference_kl(policy, batch, k, out, self.kl_beta, loss, stats, self.kl_form)
         stats["loss"] = loss.detach()
         return loss, stats

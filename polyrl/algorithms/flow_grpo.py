@@ -40,16 +40,38 @@ def gaussian_mean_kl(mean: Latents | torch.Tensor, ref_mean: Latents | torch.Ten
     return torch.where(std.flatten() > 0, kl, torch.zeros_like(kl))
 
 
+KL_FORMS = ("exact", "flow_grpo")
+
+
+def kl_to_reference(mean, ref_mean, std: torch.Tensor, dt: torch.Tensor, form: str = "exact") -> torch.Tensor:
+    """Per-sample KL term of §3. `exact`: the Gaussian KL mean_d Δμ²/(2s²) with s the transition std.
+    `flow_grpo`: flow_grpo's form, which divides by the `sde` std without its √(−dt) factor, i.e. the exact KL ×
+    (−dt) (§3 convention (a)): the same β weighs late, small steps far less than the exact form does."""
+    kl = gaussian_mean_kl(mean, ref_mean, std)
+    if form == "exact":
+        return kl
+    if form == "flow_grpo":
+        return kl * (-dt)
+    raise ValueError(f"algorithm.kl_form={form!r}; allowed: {', '.join(KL_FORMS)}")
+
+
 def add_reference_kl(policy: PolicyEvaluator, batch: Rollout, k: int, out, beta: float, loss: torch.Tensor,
-                     stats: dict) -> torch.Tensor:
+                     stats: dict, form: str = "exact") -> torch.Tensor:
     """loss + β·mean_b KL(current ‖ reference) of step k (§3 Flow-GRPO KL); every policy-gradient loss uses it."""
     if beta <= 0:
         return loss
     with torch.no_grad():
         ref = policy.step(batch, k, policy="reference")
-    kl = weighted_mean(gaussian_mean_kl(out.mean, ref.mean, out.std), out.weight)
+    sigmas = batch.sigmas.to(out.log_prob.device)
+    kl = weighted_mean(kl_to_reference(out.mean, ref.mean, out.std, sigmas[:, k + 1] - sigmas[:, k], form), out.weight)
     stats["kl"] = kl.detach()
     return loss + beta * kl
+
+
+def checked_kl_form(form: str) -> str:
+    if form not in KL_FORMS:
+        raise ValueError(f"algorithm.kl_form={form!r}; allowed: {', '.join(KL_FORMS)}")
+    return form
 
 
 def old_log_prob(batch: Rollout, k: int, like: torch.Tensor) -> torch.Tensor:
@@ -69,9 +91,11 @@ def old_mean(batch: Rollout, k: int, like: Latents) -> Latents:
 class FlowGRPO(AlgorithmBase):
     """Loss per trained step k of a mini-batch; the actor averages it over the window and the batch."""
 
-    def __init__(self, clip_range: float = 1e-4, kl_beta: float = 0.0, adv_std: str = "global", adv_clip_max: float = 5.0):
+    def __init__(self, clip_range: float = 1e-4, kl_beta: float = 0.0, adv_std: str = "global", adv_clip_max: float = 5.0,
+                 kl_form: str = "exact", drop_zero_advantage: bool = False):
         self.clip_range, self.kl_beta = clip_range, kl_beta
         self.adv_std, self.adv_clip_max = adv_std, adv_clip_max
+        self.kl_form, self.drop_zero_advantage = checked_kl_form(kl_form), drop_zero_advantage
 
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
         return self.policy_loss(policy, batch, k, policy.step(batch, k))
@@ -82,7 +106,7 @@ class FlowGRPO(AlgorithmBase):
                                              self.clip_range, out.weight)
         stats = {"policy_loss": loss.detach(), "clip_frac": clipped.float().mean(), "ratio_mean": ratio.detach().mean(),
                  "ratio_absdev": (ratio.detach() - 1).abs().mean()}
-        loss = add_reference_kl(policy, batch, k, out, self.kl_beta, loss, stats)
+        loss = add_reference_kl(policy, batch, k, out, self.kl_beta, loss, stats, self.kl_form)
         stats["loss"] = loss.detach()
         return loss, stats
 
@@ -91,8 +115,9 @@ class FlowGRPO(AlgorithmBase):
 class DanceGRPO(FlowGRPO):
     """DanceGRPO (§3): the Flow-GRPO loss with group-std advantages (the yaml sets the dance step, shared noise)."""
 
-    def __init__(self, clip_range: float = 1e-4, kl_beta: float = 0.0, adv_std: str = "group", adv_clip_max: float = 5.0):
-        super().__init__(clip_range, kl_beta, adv_std, adv_clip_max)
+    def __init__(self, clip_range: float = 1e-4, kl_beta: float = 0.0, adv_std: str = "group", adv_clip_max: float = 5.0,
+                 kl_form: str = "exact", drop_zero_advantage: bool = False):
+        super().__init__(clip_range, kl_beta, adv_std, adv_clip_max, kl_form, drop_zero_advantage)
 
 
 @register_algorithm("mix_grpo")

@@ -6,7 +6,7 @@ import torch
 
 from ..batch import Rollout
 from .base import AlgorithmBase, PolicyEvaluator, register_algorithm
-from .flow_grpo import add_reference_kl, old_log_prob, old_mean, ppo_clip_loss, scaled_sq_dist
+from .flow_grpo import add_reference_kl, checked_kl_form, old_log_prob, old_mean, ppo_clip_loss, scaled_sq_dist
 
 
 def guard_log_ratio(log_prob, old_log_prob, mean, old_mean, std) -> torch.Tensor:
@@ -27,8 +27,10 @@ def inverse_dt_weights(sigmas: torch.Tensor, k: int) -> torch.Tensor:
 
 @register_algorithm("grpo_guard")
 class GRPOGuard(AlgorithmBase):
-    def __init__(self, clip_range: float = 2e-6, kl_beta: float = 0.0, adv_std: str = "global", adv_clip_max: float = 5.0):
+    def __init__(self, clip_range: float = 2e-6, kl_beta: float = 0.0, adv_std: str = "global", adv_clip_max: float = 5.0,
+                 kl_form: str = "exact", drop_zero_advantage: bool = False):
         self.clip_range, self.kl_beta, self.adv_std, self.adv_clip_max = clip_range, kl_beta, adv_std, adv_clip_max
+        self.kl_form, self.drop_zero_advantage = checked_kl_form(kl_form), drop_zero_advantage
 
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
         out = policy.step(batch, k)
@@ -41,6 +43,6 @@ class GRPOGuard(AlgorithmBase):
         loss, ratio, clipped = ppo_clip_loss(log_ratio, torch.zeros_like(log_ratio), adv, self.clip_range, weight)
         stats = {"policy_loss": loss.detach(), "clip_frac": clipped.float().mean(), "ratio_mean": ratio.detach().mean(),
                  "ratio_absdev": (ratio.detach() - 1).abs().mean()}
-        loss = add_reference_kl(policy, batch, k, out, self.kl_beta, loss, stats)
+        loss = add_reference_kl(policy, batch, k, out, self.kl_beta, loss, stats, self.kl_form)
         stats["loss"] = loss.detach()
         return loss, stats

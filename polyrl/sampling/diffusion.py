@@ -38,6 +38,7 @@ class SamplingPlan:
     window_strategy: str = "per_sample"  # see window_starts
     window_every: int = 1  # `progressive`: training steps between slides
     shared_noise: bool = False  # one initial noise per prompt group (DanceGRPO)
+    log_density: str = "gaussian"  # how a transition is scored: gaussian | squared_distance (steps.py)
 
     @property
     def trained_steps(self) -> int:
@@ -157,7 +158,8 @@ def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: Ro
         sigma = sigmas[j].to(device).expand(b)
         v = adapter.velocity(x, sigma, cond, shared, plan.guidance.scale)
         z = {k: s[j].to(device, non_blocking=True) for k, s in noise.steps.items()}
-        out = step_latents(step_fn, x, v, sigma, sigmas[j + 1].to(device).expand(b), level, sigma_1, noise=z)
+        out = step_latents(step_fn, x, v, sigma, sigmas[j + 1].to(device).expand(b), level, sigma_1, noise=z,
+                           log_density=plan.log_density)
         x = out.sample
         states.append(x)
         means.append(out.mean)

@@ -136,12 +136,28 @@ def dance_step(
 STEPS = {"sde": sde_step, "cps": cps_step, "dance": dance_step}
 
 
+def squared_distance_log_prob(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """−mean_d (x − μ)² per sample: the score flow_grpo and verl-omni give `cps` steps (ALGORITHMS.md §3, convention
+    (b)). It is the Gaussian log-density × 2s² up to a constant, so its log-ratios are 2s² times the Gaussian ones
+    and a clip range means something else (0.7 … 12,500× on the SD3 10-step grid)."""
+    return -((x - mean) ** 2).flatten(1).mean(1)
+
+
+LOG_DENSITIES = ("gaussian", "squared_distance")
+
+
 def step_latents(step_fn, x: Latents, v: Latents, sigma, sigma_next, noise_level, sigma_1: float,
-                 noise: Latents | None = None, prev: Latents | None = None) -> StepOut:
+                 noise: Latents | None = None, prev: Latents | None = None, log_density: str = "gaussian") -> StepOut:
     """`step_fn` applied to every entry of `x` (same σ, σ', a for all entries); `sample` and `mean` are Latents and
-    `log_prob` is the joint per-element mean over all entries, Σ_e D_e·lp_e / Σ_e D_e (§1)."""
+    `log_prob` is the joint per-element mean over all entries, Σ_e D_e·lp_e / Σ_e D_e (§1). `log_density`
+    "squared_distance" scores each transition with −mean_d (x' − μ)² instead (`squared_distance_log_prob`)."""
+    if log_density not in LOG_DENSITIES:
+        raise ValueError(f"rollout.log_density={log_density!r}; allowed: {', '.join(LOG_DENSITIES)}")
     outs = {k: step_fn(x[k], v[k], sigma, sigma_next, noise_level, sigma_1,
                        noise=None if noise is None else noise[k], prev=None if prev is None else prev[k]) for k in x}
+    if log_density == "squared_distance":
+        for o in outs.values():
+            o.log_prob = squared_distance_log_prob(o.sample, o.mean)
     first = next(iter(outs.values()))
     if len(outs) == 1:
         log_prob = first.log_prob
