@@ -48,6 +48,7 @@ class RolloutConfig:
     sde_window_strategy: str = "per_sample"  # per_sample | random | progressive
     sde_window_every: int = 1  # progressive: training steps between window slides
     shared_initial_noise: bool = False  # one initial noise per prompt group (DanceGRPO)
+    log_density: str = "gaussian"  # gaussian | squared_distance (flow_grpo's cps score; sampling/steps.py)
 
 
 @dataclass
@@ -205,9 +206,10 @@ def validate(raw: DictConfig) -> DictConfig:
             f"num_steps - sde_window_size = {r.num_steps - r.sde_window_size}"
         )
     from ..sampling.diffusion import WINDOW_STRATEGIES
-    from ..sampling.steps import STEPS
+    from ..sampling.steps import LOG_DENSITIES, STEPS
 
     _check_choice("rollout.step", r.step, sorted(STEPS))
+    _check_choice("rollout.log_density", r.log_density, LOG_DENSITIES)
     _check_choice("rollout.sde_window_strategy", r.sde_window_strategy, WINDOW_STRATEGIES)
     if r.sde_window_every < 1:
         raise ConfigError(f"rollout.sde_window_every={r.sde_window_every} must be >= 1")

@@ -50,6 +50,7 @@ def plan_from_config(r: DictConfig) -> SamplingPlan:
         guidance=Guidance(r.guidance_scale, r.negative_prompt), noise_level=r.noise_level,
         window_size=r.sde_window_size, window_range=tuple(r.sde_window_range), batch_size=r.batch_size, step=r.step,
         window_strategy=r.sde_window_strategy, window_every=r.sde_window_every, shared_noise=r.shared_initial_noise,
+        log_density=r.log_density,
     )
 
 
@@ -115,10 +116,10 @@ def evaluate(adapter, reward, cfg: DictConfig, rows: list[dict], plan: SamplingP
     return float(batch.rewards.mean()), batch
 
 
-def reward_metrics(extras: list[dict]) -> dict[str, float]:
-    """Mean of each reward extra over the finite values of every rank's samples."""
+def reward_metrics(parts: list[tuple[int, dict]]) -> dict[str, float]:
+    """Mean of each reward extra over the finite values of every rank's samples (`(samples, extras)` per rank)."""
     out = {}
-    for k, v in merge_extras([(len(next(iter(e.values()), [])), e) for e in extras if e]).items():
+    for k, v in merge_extras(parts).items():
         vals = [float(x) for x in v if x is not None and not (isinstance(x, float) and math.isnan(x))]
         if vals:
             # per-component scores of a mix are logged under their own name (reward/<component>)
@@ -246,7 +247,7 @@ class Trainer:
             **stats,
             "lr": self.actor.optimizer.param_groups[0]["lr"],
             **timings,
-            **reward_metrics(engine.gather_objects(batch.reward_extras)),
+            **reward_metrics(engine.gather_objects((len(batch), batch.reward_extras))),
         }
 
     # ------------------------------------------------------------------------------------------- eval
