@@ -46,3 +46,40 @@ def test_wan_frames_must_be_4k_plus_1(tiny_wan_dir, shape_prompts_file, tmp_path
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "polyrl: config error: rollout.num_frames=6" in err and "Traceback" not in err
+
+
+def test_a14b_trains_both_experts_each_on_its_own_steps(shape_prompts_file, tmp_path):
+    """Wan2.2-A14B layout (two experts switched at t = 0.875·1000): every network call goes to the expert whose
+    side of the boundary its timesteps are on, both LoRA adapters receive gradients and move, and the checkpoint
+    holds both (keys `transformer.…` and `transformer_2.…`)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from polyrl.config import load_config
+    from polyrl.models.tiny import TinyWanSpec, save_tiny_wan
+    from polyrl.trainer.loop import Trainer
+
+    words = sorted(set(shape_prompts_file.read_text().split()))
+    model = save_tiny_wan(TinyWanSpec(words=words, layout="wan2.1", boundary_ratio=0.875), tmp_path / "a14b")
+    out = tmp_path / "run"
+    cfg = load_config([
+        "recipe=wan22_flowgrpo", f"model.path={model}", f"data.path={shape_prompts_file}", f"trainer.output_dir={out}",
+        "trainer.max_steps=1", "trainer.eval_every=0", "trainer.save_every=1", "trainer.progress=false",
+        "trainer.tensorboard=false", "model.dtype=float32", "model.max_sequence_length=16", "model.shift=3.0",
+        "rollout.height=32", "rollout.width=32", "rollout.num_frames=5", "rollout.num_steps=4",
+        "rollout.sde_window_size=3", "rollout.sde_window_range=[0,1]", "rollout.n=2", "rollout.batch_size=4",
+        "data.prompts_per_step=2", "actor.lora_rank=4", "actor.lora_alpha=4", "actor.lr=1e-2",
+        "actor.num_minibatches=1", "actor.micro_batch_size=4", "reward.frames=2"])
+    trainer = Trainer(cfg)
+    seen = {"transformer": [], "transformer_2": []}
+    for name, network in trainer.adapter.modules().items():
+        network.register_forward_pre_hook(
+            lambda _m, _a, kw, name=name: seen[name].append(kw["timestep"].flatten()), with_kwargs=True)
+    trainer.fit()
+    trainer.close()
+    high, low = torch.cat(seen["transformer"]), torch.cat(seen["transformer_2"])
+    assert len(high) and len(low) and bool((high >= 875).all()) and bool((low < 875).all())
+    state = load_file(str(out / "checkpoints" / "step_000001" / "adapter_model.safetensors"))
+    for expert in ("transformer", "transformer_2"):
+        lora_b = [v for k, v in state.items() if k.startswith(expert + ".") and "lora_B" in k]
+        assert lora_b and any(v.abs().sum() > 0 for v in lora_b), expert  # B starts at 0: only a gradient moves it
