@@ -2,9 +2,10 @@
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
-from diffusers import SD3Transformer2DModel
+from diffusers import SD3Transformer2DModel, WanTransformer3DModel
 
 from polyrl.cli.main import main
 from polyrl.models.sd3 import sd3_forward_flops
@@ -41,3 +42,21 @@ def test_regional_compile_finds_the_transformer_blocks():
                                   pooled_projection_dim=8, out_channels=4, pos_embed_max_size=8)
     blocks = repeated_blocks(model)
     assert [type(b).__name__ for b in blocks] == ["JointTransformerBlock"] * 3
+
+
+def test_bench_tiny_wan_reports_frames_and_the_wan_flops(tmp_path):
+    """`--workload wan22_5b` at tiny size: videos/s and frames/s, and the FLOPs the Wan adapter counted equal the
+    model's analytic count for the work the recipe does (4 sampling steps with CFG, 2 trained CFG steps, no KL)."""
+    from polyrl.models.wan import wan_forward_flops
+
+    out = tmp_path / "bench"
+    assert main(["bench", "--tiny", "--workload", "wan22_5b", "--out", str(out), "--epochs", "1", "--warmup", "1",
+                 "trainer.progress=false"]) == 0
+    s = json.loads((out / "bench.json").read_text())["summary"]
+    assert s["images_per_epoch"] == 4 and s["frames_per_s"] == pytest.approx(5 * s["images_per_s"])
+    config = WanTransformer3DModel.load_config(str(out / "wan22_5b_tiny" / "transformer"))
+    tokens = 2 * (64 // 16 // 2) ** 2  # (5 − 1)/4 + 1 = 2 latent frames of (64/16/2)² patches
+    per_sample = wan_forward_flops(SimpleNamespace(**config), tokens, 16, per_token_timesteps=True)
+    expected = epoch_flops(per_sample, 4, 4, 2, cfg=True, reference_forward=False)
+    assert s["model_tflop_per_epoch"] * 1e12 == pytest.approx(expected, rel=1e-9)
+    assert "frames/s" in (out / "bench.md").read_text()

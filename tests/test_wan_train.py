@@ -6,6 +6,7 @@ import json
 import math
 
 import av
+import pytest
 from safetensors.torch import load_file
 
 from polyrl.cli.main import main
@@ -83,3 +84,25 @@ def test_a14b_trains_both_experts_each_on_its_own_steps(shape_prompts_file, tmp_
     for expert in ("transformer", "transformer_2"):
         lora_b = [v for k, v in state.items() if k.startswith(expert + ".") and "lora_B" in k]
         assert lora_b and any(v.abs().sum() > 0 for v in lora_b), expert  # B starts at 0: only a gradient moves it
+
+
+def test_gradient_checkpointing_changes_no_number(tiny_wan_dir, shape_prompts_file, tmp_path):
+    """actor.gradient_checkpointing recomputes block activations in the backward: same loss, gradients, weights."""
+    rows, states = [], []
+    for flag in ("false", "true"):
+        out = tmp_path / flag
+        args = ["train", "recipe=wan22_flowgrpo", f"model.path={tiny_wan_dir}", f"data.path={shape_prompts_file}",
+                f"trainer.output_dir={out}", "trainer.max_steps=1", "trainer.eval_every=0", "trainer.save_every=1",
+                "trainer.progress=false", "trainer.tensorboard=false", "model.dtype=float32",
+                "model.max_sequence_length=16", "rollout.height=32", "rollout.width=32", "rollout.num_frames=5",
+                "rollout.num_steps=4", "rollout.n=2", "rollout.batch_size=4", "rollout.sde_window_range=[0,2]",
+                "data.prompts_per_step=2", "actor.num_minibatches=1", "actor.micro_batch_size=4", "actor.lr=1e-3",
+                "reward.frames=2", f"actor.gradient_checkpointing={flag}"]
+        assert main(args) == 0
+        rows.append(json.loads((out / "metrics.jsonl").read_text().splitlines()[-1]))
+        states.append(load_file(str(out / "checkpoints" / "step_000001" / "transformer.safetensors")))
+    for key in ("loss", "grad_norm", "reward/mean", "ratio_mean"):
+        assert rows[1][key] == pytest.approx(rows[0][key], rel=1e-6, abs=1e-9), key
+    assert rows[0]["grad_norm"] > 0
+    for k in states[0]:
+        assert (states[0][k] - states[1][k]).abs().max() < 1e-6, k

@@ -120,6 +120,12 @@ class LocalActor:
                 add_lora(network, cfg.lora_rank, cfg.lora_alpha, self.lora_targets)
             else:
                 network.requires_grad_(True)
+        if getattr(cfg, "gradient_checkpointing", False):
+            for name, network in networks.items():
+                if not getattr(network, "_supports_gradient_checkpointing", False):
+                    raise ValueError(f"actor.gradient_checkpointing=true: {name} ({type(network).__name__}) "
+                                     "does not support it")
+                network.enable_gradient_checkpointing()
         if not self.lora and algo.needs_reference:
             self.reference_models = {k: copy.deepcopy(v).requires_grad_(False).eval() for k, v in networks.items()}
         # Trainable weights are kept in float32 (the optimizer needs full-precision master weights).

@@ -1,9 +1,11 @@
 """`polyrl bench`: the BENCHMARK.md workload through the normal training path, timed per stage.
 
-It builds the random-weight SD3.5-medium pipeline (or a tiny one with `--tiny`, which runs on a CPU) with
-`save_pretrained`, loads it back through the adapter's `from_pretrained` path, trains recipe
-`sd35m_flowgrpo_bench` for `--warmup + --epochs` epochs, and reports the median of the measured epochs:
-images/s, seconds per stage, MFU against the matmul rate measured on the same device, peak memory, versions.
+It builds the random-weight pipeline of a workload at its published size (or a tiny one with `--tiny`, which runs
+on a CPU) with `save_pretrained`, loads it back through the adapter's `from_pretrained` path, trains the workload's
+recipe for `--warmup + --epochs` epochs, and reports the median of the measured epochs: images/s (and frames/s for
+video), seconds per stage, MFU against the matmul rate measured on the same device, peak memory, versions.
+Workloads: `sd35m` (BENCHMARK.md, recipe `sd35m_flowgrpo_bench`), `qwen_image` (`qwen_image_flowgrpo`), `wan22_5b`
+(Wan2.2-TI2V-5B, recipe `wan22_flowgrpo`: full fine-tune at 704×1280, 9 frames).
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ def build_pipeline(directory: Path, tiny: bool, device: str, workload: str = "sd
 
         spec = TinyQwenImageSpec(words=words, image_size=64) if tiny else qwen_image_bench_spec(words)
         save_tiny_qwen_image(spec, tmp, device=device, dtype=torch.float32 if tiny else torch.bfloat16)
+    elif workload == "wan22_5b":
+        from ..models.tiny import TinyWanSpec, save_tiny_wan, wan_bench_spec
+
+        spec = (TinyWanSpec(words=words, layout="wan2.2-ti2v", text_max_length=32) if tiny
+                else wan_bench_spec(words, "wan2.2-ti2v"))
+        save_tiny_wan(spec, tmp, device=device, dtype=torch.float32 if tiny else torch.bfloat16)
     else:
         spec = tiny_spec(words) if tiny else sd35_medium_spec(words)
         save_tiny_sd3(spec, tmp, device=device, transformer_dtype=torch.float32 if tiny else torch.bfloat16)
@@ -99,7 +107,7 @@ def versions() -> dict:
     return out
 
 
-def summarize(history: list[dict], warmup: int, images_per_epoch: int) -> dict:
+def summarize(history: list[dict], warmup: int, images_per_epoch: int, frames_per_sample: int = 0) -> dict:
     measured = [m for m in history if m.get("step", 0) > warmup and "time/step" in m]
     if not measured:
         raise ValueError("no measured epochs: use --epochs >= 1")
@@ -108,6 +116,8 @@ def summarize(history: list[dict], warmup: int, images_per_epoch: int) -> dict:
     out = {"epochs_measured": len(measured), "seconds_per_epoch": step_s, "images_per_epoch": images_per_epoch,
            "images_per_s": images_per_epoch / step_s, "stages_s": {s: med(f"time/{s}") for s in STAGES},
            "model_tflop_per_epoch": med("perf/tflops"), "achieved_tflop_per_s": med("perf/achieved_tflops_per_s")}
+    if frames_per_sample:  # video: the images of the unit are videos
+        out["frames_per_s"] = out["images_per_s"] * frames_per_sample
     if all("ratio_absdev/first_minibatch" in m for m in measured):  # rollout vs training log-prob agreement
         out["ratio_absdev_first_minibatch"] = max(m["ratio_absdev/first_minibatch"] for m in measured)
     if all("perf/mfu" in m for m in measured):
@@ -117,7 +127,10 @@ def summarize(history: list[dict], warmup: int, images_per_epoch: int) -> dict:
 
 def table(result: dict) -> str:
     s = result["summary"]
-    rows = [("images/s", f"{s['images_per_s']:.3f}"), ("s/epoch", f"{s['seconds_per_epoch']:.2f}")]
+    rows = [("images/s" if "frames_per_s" not in s else "videos/s", f"{s['images_per_s']:.3f}")]
+    if "frames_per_s" in s:
+        rows.append(("frames/s", f"{s['frames_per_s']:.3f}"))
+    rows.append(("s/epoch", f"{s['seconds_per_epoch']:.2f}"))
     rows += [(f"  {k} s", f"{v:.2f}") for k, v in s["stages_s"].items()]
     rows += [("model TFLOP/epoch", f"{s['model_tflop_per_epoch']:.4g}"),
              ("achieved TFLOP/s", f"{s['achieved_tflop_per_s']:.4g}")]
@@ -138,6 +151,21 @@ WORKLOADS = {  # name -> (recipe, extra overrides at full size)
     # (images/s does not depend on the number of prompts at a fixed per-call batch)
     "qwen_image": ("qwen_image_flowgrpo", ["data.prompts_per_step=4", "trainer.eval_every=0", "trainer.save_every=0",
                                            "trainer.tensorboard=false"]),
+    # the Wan2.2 recipe's shape and work per video (704×1280, 9 frames, 10 steps, window 2, CFG 5, full fine-tune);
+    # 2 prompts × 8 videos per step instead of 64 × 8 (videos/s does not depend on it at a fixed per-call batch)
+    "wan22_5b": ("wan22_flowgrpo", ["data.prompts_per_step=2", "rollout.batch_size=4", "actor.micro_batch_size=1",
+                                    "actor.num_minibatches=1", "model.max_sequence_length=512", "trainer.eval_every=0",
+                                    "trainer.save_every=0", "trainer.tensorboard=false"]),
+}
+TINY = {  # name -> overrides that make the workload's tiny pipeline run on a CPU in seconds
+    "sd35m": ["rollout.height=64", "rollout.width=64", "rollout.n=4", "data.prompts_per_step=2", "model.dtype=float32",
+              "model.compile=none", "model.max_sequence_length=16", "actor.micro_batch_size=4"],
+    "qwen_image": ["rollout.height=64", "rollout.width=64", "rollout.n=4", "data.prompts_per_step=2",
+                   "model.dtype=float32", "model.compile=none", "model.max_sequence_length=16",
+                   "actor.micro_batch_size=4"],
+    "wan22_5b": ["rollout.height=64", "rollout.width=64", "rollout.num_frames=5", "rollout.num_steps=4",
+                 "rollout.sde_window_range=[0,2]", "rollout.n=2", "model.dtype=float32", "model.max_sequence_length=16",
+                 "actor.micro_batch_size=2", "reward.frames=2"],
 }
 
 
@@ -159,8 +187,7 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
     base = [f"recipe={recipe}", *extra, f"model.path={model_dir}", f"data.path={prompts}",
             f"trainer.output_dir={out / 'run'}", f"trainer.max_steps={warmup + epochs}", f"trainer.device={device.type}"]
     if tiny:
-        base += ["rollout.height=64", "rollout.width=64", "rollout.n=4", "data.prompts_per_step=2",
-                 "model.dtype=float32", "model.compile=none", "model.max_sequence_length=16", "actor.micro_batch_size=4"]
+        base += TINY[workload]
     if peak:
         base.append(f"trainer.peak_tflops={peak}")
     run_dir = out / "run"
@@ -180,9 +207,9 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
         "workload": recipe + (" (tiny)" if tiny else ""),
         "date": time.strftime("%Y-%m-%d"), "device": stack.get("gpu", platform.processor() or "cpu"),
         "versions": stack, "overrides": list(overrides), "build_pipeline_s": build_s,
-        "precision": f"transformer {cfg.model.dtype} (autocast), LoRA master weights float32, step math float32, "
+        "precision": f"transformer {cfg.model.dtype} (autocast), trainable master weights float32, step math float32, "
                      f"VAE weights float32 (decode autocast to the network dtype), compile={cfg.model.compile}",
-        "peak_tflops": cfg.trainer.peak_tflops, "summary": summarize(history, warmup, images),
+        "peak_tflops": cfg.trainer.peak_tflops, "summary": summarize(history, warmup, images, cfg.rollout.num_frames),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "history": history,
     }

@@ -65,6 +65,7 @@ class ActorConfig:
     num_minibatches: int = 2  # optimizer steps per training step
     micro_batch_size: int = 0  # 0: the whole mini-batch in one forward
     ema_decay: float = 0.0  # > 0: keep an EMA copy of the trainable weights (the `old` policy), old ← d·old + (1−d)·θ
+    gradient_checkpointing: bool = False  # recompute each block's activations in the backward (memory for compute)
 
 
 @dataclass

@@ -304,7 +304,9 @@ class TinyWanSpec:
     ffn_dim: int = 64
     freq_dim: int = 32
     vae_base_dim: int = 8
+    vae_decoder_base_dim: int | None = None  # None: twice vae_base_dim for wan2.2-ti2v, vae_base_dim for wan2.1
     vae_dim_mult: tuple[int, ...] = (1, 2, 2, 2)
+    vae_res_blocks: int = 1
     scheduler: str = "unipc"  # unipc (as published) | euler (FlowMatchEulerDiscreteScheduler with the same shift)
     shift: float | None = None  # None: the layout's published flow shift (wan2.1 1.3B: 3.0, wan2.2 TI2V-5B: 5.0)
     boundary_ratio: float | None = None  # set: two experts (A14B layout)
@@ -345,12 +347,47 @@ def _tiny_wan_transformer(spec: TinyWanSpec):
     )
 
 
-def build_tiny_wan(spec: TinyWanSpec, seed: int = 0):
-    """A random-weight `WanPipeline` of `spec`'s sizes (float32, CPU)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
-    from transformers import UMT5Config, UMT5EncoderModel
+def wan_bench_spec(words: list[str], layout: str) -> TinyWanSpec:
+    """A published Wan2.2 transformer and VAE with a one-layer UMT5 stand-in of the real width 4096:
+    "wan2.2-ti2v" is TI2V-5B (30 layers, 24 heads × 128, FFN 14336; the Wan2.2 VAE: z 48, base 160, decoder base
+    256), "wan2.2-a14b" each of A14B's two experts (40 layers, 40 heads × 128, FFN 13824; the Wan2.1 VAE, base 96;
+    switched at boundary 0.875 as the T2V-A14B pipeline config does). Sizes from Wan's own configs
+    (wan/configs/wan_ti2v_5B.py, wan_t2v_14B.py)."""
+    common = dict(words=words, text_d_model=4096, text_layers=1, text_heads=64, head_dim=128, freq_dim=256,
+                  vae_dim_mult=(1, 2, 4, 4), vae_res_blocks=2)
+    if layout == "wan2.2-ti2v":
+        return TinyWanSpec(layout="wan2.2-ti2v", num_layers=30, heads=24, ffn_dim=14336, vae_base_dim=160,
+                           vae_decoder_base_dim=256, **common)
+    if layout == "wan2.2-a14b":
+        return TinyWanSpec(layout="wan2.1", num_layers=40, heads=40, ffn_dim=13824, vae_base_dim=96, shift=12.0,
+                           boundary_ratio=0.875, **common)
+    raise ValueError(f"wan_bench_spec: layout={layout!r}; allowed: wan2.2-ti2v, wan2.2-a14b")
+
+
+def build_tiny_wan(spec: TinyWanSpec, seed: int = 0, device: str | torch.device = "cpu",
+                   dtype: torch.dtype = torch.float32):
+    """A random-weight `WanPipeline` of `spec`'s sizes, created directly on `device` with the transformers in
+    `dtype` (published sizes are billions of parameters: build them on the GPU, in bf16); VAE and text encoder
+    stay float32."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline
 
     torch.manual_seed(seed)
+    with torch.device(device):
+        parts = _tiny_wan_modules(spec, dtype)
+    if spec.scheduler == "unipc":
+        scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                            flow_shift=spec.flow_shift, num_train_timesteps=1000)
+    elif spec.scheduler == "euler":
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=spec.flow_shift, num_train_timesteps=1000)
+    else:
+        raise ValueError(f"TinyWanSpec.scheduler={spec.scheduler!r}; allowed: unipc, euler")
+    return WanPipeline(scheduler=scheduler, boundary_ratio=spec.boundary_ratio, expand_timesteps=spec.ti2v, **parts)
+
+
+def _tiny_wan_modules(spec: TinyWanSpec, dtype: torch.dtype) -> dict:
+    from diffusers import AutoencoderKLWan
+    from transformers import UMT5Config, UMT5EncoderModel
+
     tokenizer = word_tokenizer(spec.words, spec.text_max_length, add_bos=False)  # T5 style: "words </s>"
     text_encoder = UMT5EncoderModel(UMT5Config(
         vocab_size=len(tokenizer), d_model=spec.text_d_model, d_kv=spec.text_d_model // spec.text_heads,
@@ -359,12 +396,18 @@ def build_tiny_wan(spec: TinyWanSpec, seed: int = 0):
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         decoder_start_token_id=tokenizer.pad_token_id,
     )).eval()
-    transformer = _tiny_wan_transformer(spec)
-    transformer_2 = _tiny_wan_transformer(spec) if spec.boundary_ratio is not None else None
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # allocate the transformers in their final dtype (no float32 copy of 5–14 B weights)
+    try:
+        transformer = _tiny_wan_transformer(spec)
+        transformer_2 = _tiny_wan_transformer(spec) if spec.boundary_ratio is not None else None
+    finally:
+        torch.set_default_dtype(default_dtype)
     z, stages = spec.z_dim, len(spec.vae_dim_mult) - 1
+    decoder_base = spec.vae_decoder_base_dim or spec.vae_base_dim * (2 if spec.ti2v else 1)
     vae = AutoencoderKLWan(
-        base_dim=spec.vae_base_dim, decoder_base_dim=spec.vae_base_dim * (2 if spec.ti2v else 1), z_dim=z,
-        dim_mult=list(spec.vae_dim_mult), num_res_blocks=1, attn_scales=[],
+        base_dim=spec.vae_base_dim, decoder_base_dim=decoder_base, z_dim=z,
+        dim_mult=list(spec.vae_dim_mult), num_res_blocks=spec.vae_res_blocks, attn_scales=[],
         temperal_downsample=[False] * (stages - 2) + [True, True], is_residual=spec.ti2v,
         in_channels=3 * spec.vae_patch**2, out_channels=3 * spec.vae_patch**2,
         patch_size=spec.vae_patch if spec.ti2v else None,
@@ -372,20 +415,13 @@ def build_tiny_wan(spec: TinyWanSpec, seed: int = 0):
         # per-channel statistics away from (0, 1), so that the normalisation is exercised
         latents_mean=[0.05 * (i % 7) - 0.15 for i in range(z)], latents_std=[0.8 + 0.1 * (i % 5) for i in range(z)],
     )
-    if spec.scheduler == "unipc":
-        scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                            flow_shift=spec.flow_shift, num_train_timesteps=1000)
-    elif spec.scheduler == "euler":
-        scheduler = FlowMatchEulerDiscreteScheduler(shift=spec.flow_shift, num_train_timesteps=1000)
-    else:
-        raise ValueError(f"TinyWanSpec.scheduler={spec.scheduler!r}; allowed: unipc, euler")
-    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                       transformer=transformer, transformer_2=transformer_2, boundary_ratio=spec.boundary_ratio,
-                       expand_timesteps=spec.ti2v)
+    return dict(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                transformer_2=transformer_2)
 
 
-def save_tiny_wan(spec: TinyWanSpec, path: str | Path, seed: int = 0) -> Path:
+def save_tiny_wan(spec: TinyWanSpec, path: str | Path, seed: int = 0, device: str | torch.device = "cpu",
+                  dtype: torch.dtype = torch.float32) -> Path:
     """Build with `build_tiny_wan` and `save_pretrained` into `path` (a diffusers directory)."""
-    pipe = build_tiny_wan(spec, seed)
+    pipe = build_tiny_wan(spec, seed, device, dtype)
     pipe.save_pretrained(str(path))
     return Path(path)
