@@ -5,7 +5,7 @@ import torch
 
 from polyrl.batch import Rollout
 from polyrl.rewards import RewardOutput
-from polyrl.trainer.loop import score_batch
+from polyrl.rewards.stage import score_batch
 
 
 def _batch(b=3):

@@ -25,7 +25,7 @@ from ..batch import Rollout
 from ..config.schema import ConfigError
 from ..data.pairs import load_pairs, pair_batch
 from ..data.prompts import PromptSampler, load_prompts, split_row
-from ..distributed.engine import LocalEngine, build_engine, pick_device  # noqa: F401  (pick_device: re-exported)
+from ..distributed.engine import LocalEngine, build_engine
 from ..latents import MediaShape
 from ..models import build_model
 from ..models.base import Guidance
