@@ -13,6 +13,10 @@ survives within 1/32768.
 Every decoder takes limits and raises `MediaTooLarge` (the server answers 413) from the file's header, before
 the pixels or samples are decoded, and `MediaDecodeError` (422) for anything that is not a valid file of the
 expected kind. The trainer writes its sample videos with `encode_mp4`.
+
+Images and video are read in two steps, so a server can budget memory before spending it: `read_image` /
+`read_video` check the headers and charge a `PixelBudget` (no pixel is decoded), then `decode_image_file` /
+`decode_video_file` decode the uint8 pixels, into a caller's array when given one.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import binascii
 import io
 import math
 import wave
+from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
@@ -98,13 +103,19 @@ def encode_images(images: torch.Tensor, fmt: str = "png", quality: int = 95) -> 
     return [_b64str(encode_image_bytes(a, fmt, quality)) for a in to_uint8(images)]
 
 
-def decode_image(data: str, max_pixels: int, budget: PixelBudget | None = None) -> np.ndarray:
-    """A base64 PNG/JPEG (a `data:image/...;base64,` prefix is allowed) -> (H, W, 3) uint8.
+@dataclass(frozen=True)
+class ImageFile:
+    """One PNG/JPEG whose header was read (size checked and charged), its pixels not yet decoded."""
 
-    The header is read first, so an image over `max_pixels` (or over what is left of `budget`) is refused
-    without decoding its pixels.
-    """
-    raw = _b64(data)
+    data: bytes
+    height: int
+    width: int
+
+
+def read_image(data: str | bytes, max_pixels: int, budget: PixelBudget | None = None) -> ImageFile:
+    """A base64 PNG/JPEG (a `data:image/...;base64,` prefix is allowed) or its file bytes -> its header, without
+    decoding its pixels: `MediaTooLarge` over `max_pixels` or over what is left of `budget` (which is charged)."""
+    raw = data if isinstance(data, bytes) else _b64(data)
     try:
         img = Image.open(io.BytesIO(raw))
     except Exception as e:  # PIL raises several types for non-images
@@ -116,17 +127,49 @@ def decode_image(data: str, max_pixels: int, budget: PixelBudget | None = None) 
         raise MediaTooLarge(f"image of {w}x{h} = {w * h} pixels is over the limit of {max_pixels} pixels")
     if budget is not None:
         budget.take(w * h)
+    return ImageFile(raw, h, w)
+
+
+def decode_image_file(image: ImageFile, out: np.ndarray | None = None) -> np.ndarray:
+    """The (H, W, 3) uint8 RGB pixels of a read image, written into `out` when given (no float copy is made)."""
     try:
-        return np.asarray(img.convert("RGB"))
+        img = Image.open(io.BytesIO(image.data))
+        if img.size != (image.width, image.height):  # the bytes were read before: only a bug changes them
+            raise MediaDecodeError(f"the image's size changed from {image.width}x{image.height} to {img.size}")
+        pixels = np.asarray(img if img.mode == "RGB" else img.convert("RGB"))
+    except MediaDecodeError:
+        raise
     except Exception as e:  # truncated or corrupt pixel data
         raise MediaDecodeError(f"could not decode the image ({type(e).__name__}: {e})") from None
+    if out is None:
+        return pixels
+    out[...] = pixels
+    return out
+
+
+def decode_image(data: str, max_pixels: int, budget: PixelBudget | None = None) -> np.ndarray:
+    """A base64 PNG/JPEG (a `data:image/...;base64,` prefix is allowed) -> (H, W, 3) uint8.
+
+    The header is read first, so an image over `max_pixels` (or over what is left of `budget`) is refused
+    without decoding its pixels.
+    """
+    return decode_image_file(read_image(data, max_pixels, budget))
+
+
+def one_size(shapes: list[tuple], what: str) -> tuple:
+    """The one shape of a request's images ((H, W)) or videos ((T, H, W)); `MediaDecodeError` naming them all
+    when they differ."""
+    distinct = sorted(set(shapes))
+    if len(distinct) > 1:
+        if what == "images":
+            raise MediaDecodeError(f"all images of a request must have one size, got {distinct}")
+        raise MediaDecodeError(f"all videos of a request must have the same frames and size (T, H, W), got {distinct}")
+    return distinct[0]
 
 
 def stack_images(pixels: list[np.ndarray]) -> torch.Tensor:
     """Equal-sized (H, W, 3) uint8 images -> (B, 3, H, W) float32 in [0, 1]."""
-    shapes = {p.shape for p in pixels}
-    if len(shapes) > 1:
-        raise MediaDecodeError(f"all images of a request must have one size, got {sorted(s[:2] for s in shapes)}")
+    one_size([p.shape[:2] for p in pixels], "images")
     return torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).float().div(255.0)
 
 
@@ -182,12 +225,25 @@ def encode_mp4(frames: np.ndarray, fps: float, *, crf: int = 18, pix_fmt: str | 
     return buf.getvalue()
 
 
-def decode_mp4(data: bytes, max_frames: int, max_pixels: int, budget: PixelBudget | None = None) -> np.ndarray:
-    """mp4 file bytes -> (T, H, W, 3) uint8 RGB.
+@dataclass(frozen=True)
+class VideoFile:
+    """One video whose headers were read (frame count and size checked and charged), not yet decoded: an mp4
+    (`mp4`) or a list of PNG/JPEG frames (`frames`)."""
+
+    frames: int
+    height: int
+    width: int
+    mp4: bytes | None = None
+    frame_files: tuple[ImageFile, ...] = ()
+
+
+def read_mp4(data: bytes, max_frames: int, max_pixels: int, budget: PixelBudget | None = None) -> VideoFile:
+    """mp4 file bytes -> its header, without decoding a frame.
 
     Only the mp4 demuxer is used (no format probing: a playlist or image-sequence format could read other
-    files). Size and frame count are read from the header and refused (`MediaTooLarge`) before any frame is
-    decoded; a file whose header understates its frames is stopped at `max_frames` + 1.
+    files). Size and frame count come from the header; when the header does not state the count, the packets are
+    counted without decoding them (stopped at `max_frames` + 1). `MediaTooLarge` over a limit; `budget` is charged
+    frames * width * height.
     """
     import av
 
@@ -204,29 +260,67 @@ def decode_mp4(data: bytes, max_frames: int, max_pixels: int, budget: PixelBudge
             raise MediaDecodeError(f"the mp4's video stream has no valid size ({w}x{h})")
         if w * h > max_pixels:
             raise MediaTooLarge(f"video frames of {w}x{h} = {w * h} pixels are over the limit of {max_pixels} pixels")
-        if stream.frames > max_frames:
-            raise MediaTooLarge(f"video of {stream.frames} frames is over the limit of {max_frames} frames")
-        if budget is not None and stream.frames:
-            budget.take(stream.frames * w * h)
-        out = []
-        try:
-            for frame in container.decode(stream):
-                if len(out) == max_frames:
-                    raise MediaTooLarge(f"video of more than {max_frames} frames is over the limit of {max_frames} "
-                                        "frames")
-                if (frame.width, frame.height) != (w, h):
-                    raise MediaDecodeError(f"the mp4 changes frame size mid-stream ({w}x{h} -> "
-                                           f"{frame.width}x{frame.height})")
-                if budget is not None and not stream.frames:
-                    budget.take(w * h)
-                out.append(frame.to_ndarray(format="rgb24"))
-        except (MediaTooLarge, MediaDecodeError):
-            raise
-        except Exception as e:  # corrupt bitstream
-            raise MediaDecodeError(f"could not decode the mp4 ({type(e).__name__}: {e})") from None
-    if not out or (stream.frames and len(out) != stream.frames):
-        raise MediaDecodeError(f"the mp4 decoded to {len(out)} frames, its header says {stream.frames} (truncated?)")
-    return np.stack(out)
+        frames = stream.frames
+        if frames > max_frames:
+            raise MediaTooLarge(f"video of {frames} frames is over the limit of {max_frames} frames")
+        if not frames:  # no count in the header: one packet per frame in an mp4 video stream
+            try:
+                for packet in container.demux(stream):
+                    frames += packet.size > 0
+                    if frames > max_frames:
+                        raise MediaTooLarge(f"video of more than {max_frames} frames is over the limit of "
+                                            f"{max_frames} frames")
+            except MediaTooLarge:
+                raise
+            except Exception as e:
+                raise MediaDecodeError(f"could not read the mp4 ({type(e).__name__}: {e})") from None
+            if not frames:
+                raise MediaDecodeError("the mp4 holds no video frames")
+    if budget is not None:
+        budget.take(frames * w * h)
+    return VideoFile(frames, h, w, mp4=data)
+
+
+def _decode_mp4_into(video: VideoFile, out: np.ndarray) -> None:
+    import av
+
+    n = 0
+    try:
+        with av.open(io.BytesIO(video.mp4), mode="r", format="mp4") as container:
+            for frame in container.decode(container.streams.video[0]):
+                if n == video.frames:  # never more than was charged
+                    raise MediaDecodeError(f"the mp4 decodes to more frames than its header's {video.frames}")
+                if (frame.width, frame.height) != (video.width, video.height):
+                    raise MediaDecodeError(f"the mp4 changes frame size mid-stream ({video.width}x{video.height} "
+                                           f"-> {frame.width}x{frame.height})")
+                out[n] = frame.to_ndarray(format="rgb24")
+                n += 1
+    except MediaDecodeError:
+        raise
+    except Exception as e:  # corrupt bitstream
+        raise MediaDecodeError(f"could not decode the mp4 ({type(e).__name__}: {e})") from None
+    if n != video.frames:
+        raise MediaDecodeError(f"the mp4 decoded to {n} frames, its header says {video.frames} (truncated?)")
+
+
+def decode_video_file(video: VideoFile, out: np.ndarray | None = None) -> np.ndarray:
+    """The (T, H, W, 3) uint8 RGB frames of a read video, written into `out` when given."""
+    if out is None:
+        out = np.empty((video.frames, video.height, video.width, 3), np.uint8)
+    if video.mp4 is not None:
+        _decode_mp4_into(video, out)
+    else:
+        for j, frame in enumerate(video.frame_files):
+            try:
+                decode_image_file(frame, out[j])
+            except MediaDecodeError as e:
+                raise MediaDecodeError(f"frame {j}: {e}") from None
+    return out
+
+
+def decode_mp4(data: bytes, max_frames: int, max_pixels: int, budget: PixelBudget | None = None) -> np.ndarray:
+    """mp4 file bytes -> (T, H, W, 3) uint8 RGB; the limits are checked on the header first (`read_mp4`)."""
+    return decode_video_file(read_mp4(data, max_frames, max_pixels, budget))
 
 
 # ---------------------------------------------------------------------------------------------- video
@@ -251,12 +345,12 @@ def encode_videos(video: torch.Tensor, fmt: str = "frames", image_format: str = 
     return [[_b64str(encode_image_bytes(f, image_format, quality)) for f in c] for c in clips]
 
 
-def decode_video(item, max_frames: int, max_pixels: int, budget: PixelBudget | None = None) -> np.ndarray:
-    """One video on the wire (a list of base64 PNG/JPEG frames, or a base64 mp4 string) -> (T, H, W, 3) uint8.
-
-    The frame count is checked before any frame is decoded, and each frame's size from its header."""
+def read_video(item, max_frames: int, max_pixels: int, budget: PixelBudget | None = None) -> VideoFile:
+    """One video on the wire (a list of base64 PNG/JPEG frames, or a base64 mp4 string) -> its headers, checked
+    and charged to `budget`, before any frame is decoded; the frame count of a list is checked before anything
+    is read."""
     if isinstance(item, str):
-        return decode_mp4(_b64(item), max_frames, max_pixels, budget)
+        return read_mp4(_b64(item), max_frames, max_pixels, budget)
     if not isinstance(item, list) or not item:
         raise MediaDecodeError("a video must be a non-empty list of base64 PNG/JPEG frames or a base64 mp4 string")
     if len(item) > max_frames:
@@ -264,20 +358,25 @@ def decode_video(item, max_frames: int, max_pixels: int, budget: PixelBudget | N
     frames = []
     for j, frame in enumerate(item):
         try:
-            frames.append(decode_image(frame, max_pixels, budget))
+            frames.append(read_image(frame, max_pixels, budget))
         except (MediaTooLarge, MediaDecodeError) as e:
             raise type(e)(f"frame {j}: {e}") from None
-    if len({f.shape for f in frames}) > 1:
-        raise MediaDecodeError(f"the frames of a video must have one size, got {sorted({f.shape[:2] for f in frames})}")
-    return np.stack(frames)
+    sizes = sorted({(f.height, f.width) for f in frames})
+    if len(sizes) > 1:
+        raise MediaDecodeError(f"the frames of a video must have one size, got {sizes}")
+    return VideoFile(len(frames), *sizes[0], frame_files=tuple(frames))
+
+
+def decode_video(item, max_frames: int, max_pixels: int, budget: PixelBudget | None = None) -> np.ndarray:
+    """One video on the wire (a list of base64 PNG/JPEG frames, or a base64 mp4 string) -> (T, H, W, 3) uint8.
+
+    The frame count is checked before any frame is decoded, and each frame's size from its header."""
+    return decode_video_file(read_video(item, max_frames, max_pixels, budget))
 
 
 def stack_videos(clips: list[np.ndarray]) -> torch.Tensor:
     """Videos of one shape, each (T, H, W, 3) uint8 -> (B, T, 3, H, W) float32 in [0, 1]."""
-    shapes = {c.shape[:3] for c in clips}
-    if len(shapes) > 1:
-        raise MediaDecodeError(f"all videos of a request must have the same frames and size (T, H, W), got "
-                               f"{sorted(shapes)}")
+    one_size([c.shape[:3] for c in clips], "videos")
     return torch.from_numpy(np.stack(clips)).permute(0, 1, 4, 2, 3).float().div(255.0)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 from .server import ServerLimits
@@ -44,6 +45,30 @@ def reward_config(args: list[str]) -> dict:
     return {**out, **frame_options}
 
 
+def server_limits(a: argparse.Namespace) -> ServerLimits:
+    """The flags as `ServerLimits`; a value out of range is a config error naming its flag."""
+    from ..config import ConfigError
+
+    values = dict(max_body_bytes=int(a.max_body_mb * 2**20), max_images=a.max_images,
+                  max_image_pixels=a.max_image_pixels, max_frames=a.max_frames,
+                  max_request_pixels=a.max_request_pixels, max_audio_seconds=a.max_audio_seconds,
+                  max_batch=a.max_batch, max_wait_ms=a.max_wait_ms, max_inflight_pixels=a.max_inflight_pixels,
+                  max_call_pixels=a.max_call_pixels, max_connections=a.max_connections,
+                  header_timeout_s=a.header_timeout, body_timeout_s=a.body_timeout, keep_alive_s=a.keep_alive,
+                  max_header_bytes=int(a.max_header_kb * 2**10))
+    try:
+        return ServerLimits(**values)
+    except ValueError as e:  # say it with the flag's name: "max_call_pixels=0" -> "--max-call-pixels=0"
+        raise ConfigError(re.sub(r"\b([a-z_]+)=", lambda m: f"{flag_name(m.group(1))}=", str(e))) from None
+
+
+def flag_name(field: str) -> str:
+    """The serve-reward flag of a ServerLimits field."""
+    odd = {"max_body_bytes": "--max-body-mb (in bytes)", "max_header_bytes": "--max-header-kb (in bytes)",
+           "header_timeout_s": "--header-timeout", "body_timeout_s": "--body-timeout", "keep_alive_s": "--keep-alive"}
+    return odd.get(field, "--" + field.replace("_", "-"))
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="polyrl serve-reward",
@@ -69,6 +94,21 @@ def main(argv: list[str]) -> int:
                    help="width * height summed over all images and frames of one request")
     p.add_argument("--max-audio-seconds", type=float, default=defaults.max_audio_seconds,
                    help="length of one audio clip")
+    p.add_argument("--max-inflight-pixels", type=int, default=defaults.max_inflight_pixels,
+                   help="decoded pixels of all requests being decoded, queued or scored (kept as uint8, 3 bytes "
+                        "each); a request that does not fit gets 503 with Retry-After")
+    p.add_argument("--max-call-pixels", type=int, default=defaults.max_call_pixels,
+                   help="pixels per scorer call (its float32 copy: 12 bytes each); larger requests are split")
+    p.add_argument("--max-connections", type=int, default=defaults.max_connections,
+                   help="open connections or requests in progress (uvicorn's limit_concurrency); over it: 503")
+    p.add_argument("--header-timeout", type=float, default=defaults.header_timeout_s,
+                   help="seconds for a request's headers to arrive (an idle or trickling connection is closed)")
+    p.add_argument("--body-timeout", type=float, default=defaults.body_timeout_s,
+                   help="seconds for a request's whole body to arrive after its headers (else 408)")
+    p.add_argument("--keep-alive", type=float, default=defaults.keep_alive_s,
+                   help="seconds an idle connection is kept open between requests (uvicorn's timeout_keep_alive)")
+    p.add_argument("--max-header-kb", type=float, default=defaults.max_header_bytes / 2**10,
+                   help="request line + headers (uvicorn's h11 limit)")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE first (a module that registers your own reward with @register_reward)")
     p.add_argument("--log-level", default="info")
@@ -80,10 +120,7 @@ def main(argv: list[str]) -> int:
     from .server import create_app, serve
 
     cfg = reward_config(a.overrides)
-    limits = ServerLimits(max_body_bytes=int(a.max_body_mb * 2**20), max_images=a.max_images,
-                          max_image_pixels=a.max_image_pixels, max_frames=a.max_frames,
-                          max_request_pixels=a.max_request_pixels, max_audio_seconds=a.max_audio_seconds,
-                          max_batch=a.max_batch, max_wait_ms=a.max_wait_ms)
+    limits = server_limits(a)
     token = a.token if a.token is not None else os.environ.get("POLYRL_REWARD_TOKEN") or None
     reward = build_reward(cfg)
     print(f"polyrl: serving reward {cfg['name']} on http://{a.host}:{a.port} (POST /score, GET /health"
