@@ -8,7 +8,7 @@ import polyrl
 
 ROOT = Path(polyrl.__file__).parent
 # lowest first; a unit may import only units listed before it
-LAYERS = ["registry", "latents", "media", "batch", "models", "sampling", "algorithms", "toy", "rewards", "data",
+LAYERS = ["errors", "registry", "latents", "media", "batch", "models", "sampling", "algorithms", "toy", "rewards", "data",
           "distributed", "actor", "perf", "config", "serving", "trainer", "cli", "__init__", "__main__"]
 
 

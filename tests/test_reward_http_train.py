@@ -92,7 +92,8 @@ def test_retry_budget_spent_saves_a_checkpoint_and_stops(tiny_sd3_dir, shape_pro
 
 def test_unreachable_server_before_any_step(tiny_sd3_dir, shape_prompts_file, tmp_path, capsys):
     args = ["reward=http", "reward.url=http://127.0.0.1:9", "reward.max_retries=1", "reward.backoff=0.01"]
-    assert main(_train_args(tiny_sd3_dir, shape_prompts_file, tmp_path / "run", 2, args)) == 3
+    # the /health pre-check refuses it before the model loads (a failure after step 0 is in test_checkpoint_signals)
+    assert main(_train_args(tiny_sd3_dir, shape_prompts_file, tmp_path / "run", 2, args)) == 2
     err = capsys.readouterr().err
-    assert "reward server http://127.0.0.1:9/score failed 2 attempts" in err and "ConnectError" in err
-    assert "no training step had completed: nothing to save" in err
+    assert "polyrl: error: reward.url=http://127.0.0.1:9: GET http://127.0.0.1:9/health failed" in err
+    assert "ConnectError" in err and not (tmp_path / "run").exists()

@@ -1,10 +1,10 @@
-"""`polyrl bench`: the BENCHMARK.md workload through the normal training path, timed per stage.
+"""`polyrl bench`: the docs/benchmark.md workload through the normal training path, timed per stage.
 
 It builds the random-weight pipeline of a workload at its published size (or a tiny one with `--tiny`, which runs
 on a CPU) with `save_pretrained`, loads it back through the adapter's `from_pretrained` path, trains the workload's
 recipe for `--warmup + --epochs` epochs, and reports the median of the measured epochs: images/s (and frames/s for
 video), seconds per stage, MFU against the matmul rate measured on the same device, peak memory, versions.
-Workloads: `sd35m` (BENCHMARK.md, recipe `sd35m_flowgrpo_bench`), `qwen_image` (`qwen_image_flowgrpo`), `wan22_5b`
+Workloads: `sd35m` (docs/benchmark.md, recipe `sd35m_flowgrpo_bench`), `qwen_image` (`qwen_image_flowgrpo`), `wan22_5b`
 (Wan2.2-TI2V-5B, recipe `wan22_flowgrpo`: full fine-tune at 704×1280, 9 frames).
 """
 
@@ -27,12 +27,12 @@ STAGES = ["text_encode", "rollout", "decode", "reward", "old_logprob", "train", 
 
 
 def bench_prompts(count: int) -> list[str]:
-    """BENCHMARK.md's synthetic prompts: `a {adjective} {object} holding a sign that says "{i}"`."""
+    """docs/benchmark.md's synthetic prompts: `a {adjective} {object} holding a sign that says "{i}"`."""
     return [f'a {ADJECTIVES[i % 8]} {OBJECTS[(i // 8) % 8]} holding a sign that says "{i}"' for i in range(count)]
 
 
 def sd35_medium_spec(words: list[str]):
-    """SD3.5-medium transformer and VAE at their published sizes, small CLIP/T5 stand-ins (BENCHMARK.md)."""
+    """SD3.5-medium transformer and VAE at their published sizes, small CLIP/T5 stand-ins (docs/benchmark.md)."""
     from ..models.tiny import TinySD3Spec
 
     return TinySD3Spec(
@@ -77,7 +77,7 @@ def build_pipeline(directory: Path, tiny: bool, device: str, workload: str = "sd
 
 
 def measure_matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float | None:
-    """Dense bf16 matmul rate on random data (the MFU denominator, ALGORITHMS.md §6); None off CUDA."""
+    """Dense bf16 matmul rate on random data (the MFU denominator, docs/algorithms.md §6); None off CUDA."""
     if device.type != "cuda":
         return None
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
@@ -147,7 +147,7 @@ def table(result: dict) -> str:
 
 WORKLOADS = {  # name -> (recipe, extra overrides at full size)
     "sd35m": ("sd35m_flowgrpo_bench", []),
-    # BENCHMARK.md second workload; 4 prompts x 16 images per step keeps one step inside a short device call
+    # docs/benchmark.md second workload; 4 prompts x 16 images per step keeps one step inside a short device call
     # (images/s does not depend on the number of prompts at a fixed per-call batch)
     "qwen_image": ("qwen_image_flowgrpo", ["data.prompts_per_step=4", "trainer.eval_every=0", "trainer.save_every=0",
                                            "trainer.tensorboard=false"]),

@@ -1,19 +1,24 @@
-"""`polyrl` command line: train | config | sample | pretrain-toy | bench | serve-reward.
+"""`polyrl` command line: train | config | sample | export | pretrain-toy | bench | serve-reward.
 
-    polyrl train [overrides...]            run the config (default: the embedded toy_shapes recipe)
+    polyrl train [overrides...]            run the config (default: the embedded toy_shapes recipe); --help lists them
     polyrl config [overrides...]           print the resolved config
     polyrl sample checkpoint=DIR [n=16] [out=PATH] [overrides...]   render a grid from a checkpoint
-    polyrl pretrain-toy [--out DIR] ...    re-train the embedded toy base model
-    polyrl bench [--tiny] [--workload sd35m|qwen_image] [--epochs 2] [overrides...]   BENCHMARK.md workload, timed
+    polyrl export checkpoint=DIR out=DIR [--merge]   a diffusers LoRA (pipe.load_lora_weights) or merged pipeline
+    polyrl pretrain-toy [--task shapes|motion] [--out DIR] ...   re-train an embedded toy base model
+    polyrl bench [--tiny] [--workload sd35m|qwen_image] [--epochs 2] [overrides...]   docs/benchmark.md workload, timed
     polyrl serve-reward reward=NAME [reward.k=v ...] [--host H] [--port N] [--token T]   a reward over HTTP
+
+`--import FILE.py|MODULE` (any command, repeatable) first imports a file or module of your own, e.g. one that
+registers a reward with `@register_reward`.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
+
+from ..errors import UserError
 
 USAGE = __doc__
 
@@ -26,12 +31,66 @@ def _split_special(args: list[str], keys: tuple[str, ...]) -> tuple[dict, list[s
     return special, rest
 
 
-def cmd_train(args: list[str]) -> int:
-    from ..config import load_config
-    from ..trainer.loop import Trainer
+def pop_imports(args: list[str]) -> tuple[list[str], list[str]]:
+    """(`--import X` / `--import=X` values, the other arguments)."""
+    imports, rest, i = [], [], 0
+    while i < len(args):
+        a = args[i]
+        if a == "--import":
+            if i + 1 >= len(args):
+                raise UserError("--import needs a value: a .py file or a module name")
+            imports.append(args[i + 1])
+            i += 2
+            continue
+        if a.startswith("--import="):
+            imports.append(a.split("=", 1)[1])
+        else:
+            rest.append(a)
+        i += 1
+    return imports, rest
 
-    cfg = load_config(args)
-    trainer = Trainer(cfg)
+
+def import_user_module(spec: str):
+    """Import a user's file (`my_rewards.py`, any path) or module (`my_pkg.rewards`, on sys.path); an error inside
+    it keeps its traceback (it is their code's), a file or module that is not there is a UserError."""
+    import importlib
+    import importlib.util
+
+    if spec.endswith(".py") or os.sep in spec or "/" in spec:
+        path = Path(spec).expanduser().resolve()
+        if not path.is_file():
+            raise UserError(f"--import {spec}: no such file")
+        name = f"polyrl_user_{path.stem}"
+        if name in sys.modules:  # imported already (e.g. `polyrl train` after `--import` in the same process)
+            return sys.modules[name]
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return module
+    try:
+        return importlib.import_module(spec)
+    except ModuleNotFoundError as e:
+        if e.name != spec.split(".")[0] and e.name != spec:
+            raise
+        raise UserError(f"--import {spec}: no module named {spec!r} (give a .py file, or a module on "
+                        "PYTHONPATH)") from None
+
+
+def cmd_train(args: list[str]) -> int:
+    from ..config import load_config, train_help
+    from ..trainer.loop import RunStopped, Trainer
+
+    if any(a in ("-h", "--help") for a in args):
+        print(train_help())
+        return 0
+    imports, overrides = pop_imports(args)
+    cfg = load_config(overrides)
+    trainer = Trainer(cfg, overrides=[a for spec in imports for a in ("--import", spec)] + overrides)
     main = trainer.engine.is_main
     if main:
         ranks = f", {trainer.engine.world_size} data-parallel ranks" if trainer.engine.world_size > 1 else ""
@@ -39,6 +98,9 @@ def cmd_train(args: list[str]) -> int:
               f"device {trainer.device}{ranks})", file=sys.stderr)
     try:
         history = trainer.fit()
+    except RunStopped as e:  # printed before close(): under torchrun a rank that exits first ends the others
+        trainer.say(f"polyrl: {e}")
+        return e.exit_code
     finally:
         trainer.close()
     evals = [m["eval/reward_mean"] for m in history if "eval/reward_mean" in m]
@@ -50,9 +112,12 @@ def cmd_train(args: list[str]) -> int:
 def cmd_config(args: list[str]) -> int:
     from omegaconf import OmegaConf
 
-    from ..config import load_config
+    from ..config import load_config, train_help
 
-    print(OmegaConf.to_yaml(load_config(args), resolve=True), end="")
+    if any(a in ("-h", "--help") for a in args):
+        print(train_help().replace("polyrl train", "polyrl config"))
+        return 0
+    print(OmegaConf.to_yaml(load_config(pop_imports(args)[1]), resolve=True), end="")
     return 0
 
 
@@ -65,18 +130,27 @@ def cmd_sample(args: list[str]) -> int:
     from ..distributed.engine import pick_device
     from ..models import build_model
     from ..rewards import build_reward
+    from ..trainer.checkpoint import read_checkpoint
     from ..trainer.logging import save_samples
     from ..trainer.loop import evaluate, plan_from_config
 
-    special, rest = _split_special(args, ("checkpoint", "n", "out"))
+    if any(a in ("-h", "--help") for a in args):
+        print(USAGE)
+        return 0
+    special, rest = _split_special(pop_imports(args)[1], ("checkpoint", "n", "out"))
     if "checkpoint" not in special:
-        raise SystemExit("polyrl sample: checkpoint=DIR is required (a <run>/checkpoints/step_N directory)")
+        raise UserError("polyrl sample: checkpoint=DIR is required (a <run>/checkpoints/step_N directory)")
     ckpt = Path(special["checkpoint"])
     run_cfg = ckpt.parent.parent / "config.yaml"
     if not run_cfg.is_file():
-        raise SystemExit(f"polyrl sample: {run_cfg} not found (is {ckpt} inside a polyrl run directory?)")
+        raise UserError(f"polyrl sample: {run_cfg} not found (is {ckpt} inside a polyrl run directory?)")
     cfg = validate(OmegaConf.merge(OmegaConf.load(run_cfg), OmegaConf.from_dotlist(rest)))
-    adapter = build_model(cfg.model, pick_device(cfg.trainer.device))
+    read_checkpoint(ckpt)  # every file checked before anything is loaded
+    try:
+        device = pick_device(cfg.trainer.device)
+    except RuntimeError as e:  # trainer.device=cuda without a GPU
+        raise UserError(str(e)) from None
+    adapter = build_model(cfg.model, device)
     load_trained_weights(adapter, ckpt)
     rows = load_prompts(cfg.data.heldout_path or cfg.data.path)
     n = int(special.get("n", cfg.trainer.num_validation))
@@ -89,24 +163,16 @@ def cmd_sample(args: list[str]) -> int:
     return 0
 
 
-def cmd_pretrain_toy(args: list[str]) -> int:
-    from ..config import ASSETS
-    from .pretrain_toy import pretrain_toy
+def cmd_export(args: list[str]) -> int:
+    from .export import main as export_main
 
-    p = argparse.ArgumentParser(prog="polyrl pretrain-toy", description="train the embedded toy base model")
-    p.add_argument("--out", default=str(ASSETS / "toy_shapes"))
-    p.add_argument("--prompts-dir", default=str(ASSETS / "prompts"))
-    p.add_argument("--vae-steps", type=int, default=1000)
-    p.add_argument("--steps", type=int, default=2500)
-    p.add_argument("--num-images", type=int, default=16000)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
-    a = p.parse_args(args)
-    out = pretrain_toy(a.out, vae_steps=a.vae_steps, steps=a.steps, num_images=a.num_images, batch=a.batch,
-                       seed=a.seed, prompts_dir=a.prompts_dir, device=a.device)
-    print(f"polyrl: wrote {out}")
-    return 0
+    return export_main(args)
+
+
+def cmd_pretrain_toy(args: list[str]) -> int:
+    from .pretrain_toy import main as pretrain_main
+
+    return pretrain_main(args)
 
 
 def cmd_bench(args: list[str]) -> int:
@@ -121,31 +187,43 @@ def cmd_serve_reward(args: list[str]) -> int:
     return serve_main(args)
 
 
-COMMANDS = {"serve-reward": cmd_serve_reward, "bench": cmd_bench, "train": cmd_train, "config": cmd_config, "sample": cmd_sample, "pretrain-toy": cmd_pretrain_toy}
+COMMANDS = {"train": cmd_train, "config": cmd_config, "sample": cmd_sample, "export": cmd_export,
+            "pretrain-toy": cmd_pretrain_toy, "bench": cmd_bench, "serve-reward": cmd_serve_reward}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # silences optional-backend notices
-    if not argv or argv[0] in ("-h", "--help", "help") or argv[0] not in COMMANDS:
+    if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
-        return 0 if not argv or argv[0] in ("-h", "--help", "help") else 2
+        return 0
+    if argv[0] not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        print(f"polyrl: error: unknown command {argv[0]!r}{f' (did you mean {close[0]}?)' if close else ''}; "
+              f"commands: {', '.join(COMMANDS)} (polyrl --help)", file=sys.stderr)
+        return 2
     from ..config import ConfigError
+    from ..rewards.stage import RewardUnavailable
+    from ..trainer.loop import RunStopped
 
     try:
-        return COMMANDS[argv[0]](argv[1:])
+        imports, rest = pop_imports(argv[1:])
+        for spec in imports:  # before the command reads a config that may name what they register
+            import_user_module(spec)
+        return COMMANDS[argv[0]](argv[1:] if argv[0] == "train" else rest)
     except ConfigError as e:
         print(f"polyrl: config error: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, FileExistsError) as e:
+    except RunStopped as e:
+        print(f"polyrl: {e}", file=sys.stderr)
+        return e.exit_code
+    except (UserError, FileNotFoundError, FileExistsError) as e:
         print(f"polyrl: error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:
-        from ..rewards.stage import RewardUnavailable
-
-        if not isinstance(e, RewardUnavailable):
-            raise
+    except (RewardUnavailable, FloatingPointError) as e:  # the run saved its last completed step first
         print(f"polyrl: stopped: {e}", file=sys.stderr)
         return 3
 

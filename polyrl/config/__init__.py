@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import inspect
+import json
+import re
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .schema import Config, ConfigError, validate
 
@@ -14,11 +16,74 @@ if not OmegaConf.has_resolver("polyrl_asset"):
     OmegaConf.register_new_resolver("polyrl_asset", lambda rel: str(ASSETS / rel))
 
 
+CONFIG_DIR = Path(__file__).resolve().parent
+GROUPS = ("recipe", "model", "algorithm", "reward", "actor", "rollout", "data", "trainer", "rollout_correction")
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group: its YAML files (and, for `reward`, every registered reward)."""
+    names = {p.stem for p in (CONFIG_DIR / group).glob("*.yaml")}
+    if group == "reward":
+        from ..rewards import REWARDS
+
+        names |= set(REWARDS)
+    return sorted(names)
+
+
+def _register_code_rewards() -> None:
+    """A reward registered in code (`@register_reward`, e.g. from `polyrl train --import my_rewards.py`) without a
+    YAML in config/reward/ becomes the option `reward=<name>`: its name and constructor defaults (arguments
+    without a default must be set, e.g. reward.target=0.5)."""
+    from hydra.core.config_store import ConfigStore
+
+    from ..rewards import REWARDS
+
+    store = ConfigStore.instance()
+    for name, cls in REWARDS.items():
+        if (CONFIG_DIR / "reward" / f"{name}.yaml").is_file():
+            continue
+        node = {"name": name}
+        for param in inspect.signature(cls).parameters.values():
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                continue
+            default = param.default
+            if default is param.empty:
+                node[param.name] = "???"
+            elif default is None or isinstance(default, (bool, int, float, str)):
+                node[param.name] = default
+            elif isinstance(default, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in default):
+                node[param.name] = list(default)
+        store.store(group="reward", name=name, node=node)
+
+
 def _compose(overrides) -> DictConfig:
     from hydra import compose, initialize_config_module
 
+    _register_code_rewards()
     with initialize_config_module("polyrl.config", version_base="1.3"):
         return compose("config", overrides=list(overrides))
+
+
+def _check_model_path(raw: DictConfig, overrides: list[str]) -> None:
+    """`model=<family>` under a recipe that points model.path at an embedded toy model of another family would
+    silently load the toy checkpoint into the wrong adapter: refuse, saying what to set instead."""
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("model=")]
+    if not chosen or any(o.lstrip("+").startswith("model.path=") for o in overrides):
+        return
+    path = OmegaConf.select(raw, "model.path", default=None)
+    if not isinstance(path, str) or not Path(path).resolve().is_relative_to(ASSETS):
+        return
+    recipe_model = _compose([o for o in overrides if not o.startswith("model=")]).model.name
+    name = raw.model.name
+    if recipe_model == name:
+        return
+    pattern = re.compile(rf"override /model: {re.escape(name)}\s*$", re.MULTILINE)
+    recipes = sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml") if pattern.search(p.read_text()))
+    raise ConfigError(
+        f"model={chosen[-1]} under recipe {raw.get('name')}: model.path is still that recipe's embedded "
+        f"{recipe_model} toy model ({path}), which a {name} model cannot load; set model.path=<your {name} "
+        f"checkpoint> (and data.path)" + (f", or use its recipe: recipe={' | '.join(recipes)}" if recipes else "")
+    )
 
 
 def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
@@ -32,9 +97,68 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
                  for o in overrides]
     try:
         raw = _compose(overrides)
+        _check_model_path(raw, list(overrides))
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(_hydra_message(str(e), list(overrides))) from None
     return validate(raw)
+
+
+COMMON_KEYS = (
+    ("model.path", "a local diffusers directory (model_index.json + components)"),
+    ("data.path", ".txt (a prompt a line), .jsonl or .parquet with a `prompt` column"),
+    ("data.heldout_path", "held-out prompts for the evaluation and the sample grid"),
+    ("data.prompts_per_step", "prompt groups per step"),
+    ("rollout.n", "samples per prompt (the group of the advantage)"),
+    ("rollout.num_steps", "sampling steps"),
+    ("rollout.height", "image height (also rollout.width; video: rollout.num_frames, rollout.fps)"),
+    ("actor.lr", "learning rate"),
+    ("actor.lora_rank", "LoRA rank; 0: full fine-tune"),
+    ("trainer.max_steps", "training steps"),
+    ("trainer.output_dir", "the run directory; null: runs/<name>/<timestamp>"),
+    ("trainer.resume", "auto (the newest run of this name, or trainer.output_dir) | a checkpoint directory"),
+    ("trainer.device", "auto | cpu | cuda"),
+    ("trainer.save_every", "steps between checkpoints"),
+    ("trainer.eval_every", "steps between held-out evaluations and sample grids"),
+    ("trainer.loggers", "[tensorboard] | [tensorboard,wandb] | [tensorboard,mlflow] | ..."),
+)
+
+
+def train_help() -> str:
+    """`polyrl train --help`: the groups with their options and the keys most runs set (read from the YAML
+    groups and the schema, so it cannot go stale)."""
+    import textwrap
+
+    defaults = _compose([])
+    lines = [
+        "usage: polyrl train [--import FILE.py|MODULE ...] [group=option ...] [key=value ...]",
+        "",
+        "Compose a run from polyrl/config (default: recipe=toy_shapes, the embedded toy model on the CPU) and train",
+        "it. `polyrl config [same overrides]` prints every key of the composed config.",
+        "",
+        "groups (group=option; a recipe sets values in several groups and is applied last):",
+    ]
+    for g in GROUPS:
+        lines += textwrap.wrap(", ".join(group_options(g)), 116, initial_indent=f"  {g:<19} ",
+                               subsequent_indent=" " * 22)
+    lines += ["", "common keys (key=value; [its value in the default run]):"]
+    for key, what in COMMON_KEYS:
+        value = OmegaConf.select(defaults, key, throw_on_missing=False, default="???")
+        value = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+        value = "required" if value == "???" else value if isinstance(value, str) else json.dumps(value)
+        if isinstance(value, str) and value.startswith(str(ASSETS)):
+            value = "the embedded " + Path(value).relative_to(ASSETS).as_posix()
+        lines.append(f"  {key:<23} {what} [{value}]")
+    lines += [
+        "",
+        "  --import FILE.py|MODULE  import a file or module that registers your own reward with @register_reward",
+        "                           (then reward=<its name>; docs/rewards.md, Your own reward)",
+        "",
+        "examples:",
+        "  polyrl train                                          # the toy recipe, about 9 minutes on a laptop CPU",
+        "  polyrl train recipe=sd35_flowgrpo model.path=/ckpt/sd3.5-medium data.path=prompts.txt",
+        "  polyrl train trainer.output_dir=runs/a trainer.resume=auto   # continue a stopped run",
+    ]
+    return "\n".join(lines)
 
 
 def _allowed_under(parent: str | None, overrides: list[str]) -> str:
@@ -67,4 +191,4 @@ def _hydra_message(text: str, overrides: list[str]) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
-__all__ = ["ASSETS", "Config", "ConfigError", "load_config", "validate"]
+__all__ = ["ASSETS", "Config", "ConfigError", "group_options", "load_config", "train_help", "validate"]

@@ -28,6 +28,16 @@ class ModelConfig:
     compile: str = "none"  # torch.compile the transformer after LoRA is added (and the SD3 VAE decoder): none | blocks (each block) | full
     fp8: bool = False  # frozen base linears as float8 matmuls (LoRA only; perf/fp8.py)
     shift: float | None = None  # flow shift of the sigma grid where a model takes one (Wan); None: the checkpoint's
+    # condition-image models (Qwen-Image-Edit): the condition is resized to about condition_size² pixels (the side of
+    # that area), aspect kept; vl_condition_size the same for the VL encoder's copy. None: the model's published value
+    condition_size: int | None = None
+    vl_condition_size: int | None = None
+    # models whose negative conditioning is per sample (Qwen-Image-Edit encodes it with each condition image); their
+    # model config sets it to ${rollout.negative_prompt}. None: no negative conditioning is encoded
+    negative_prompt: str | None = None
+    # guidance-embedding models with optional true CFG (FLUX.1): > 1 adds true CFG with rollout.negative_prompt on top
+    # of the embedded guidance (rollout.guidance_scale); 1: off
+    true_cfg_scale: float = 1.0
 
 
 @dataclass
@@ -91,13 +101,14 @@ class TrainerConfig:
     eval_seed: int = 1234
     num_validation: int = 16  # images in each sample grid
     progress: bool = True
-    tensorboard: bool = True
+    tensorboard: bool = True  # false: leave tensorboard out of `loggers`
+    loggers: list = field(default_factory=lambda: ["tensorboard"])  # any of LOGGERS (trainer/logging.py)
     peak_tflops: float | None = None  # the device's measured dense bf16 rate: enables perf/mfu in the metrics
 
 
 @dataclass
 class RolloutCorrectionConfig:
-    mode: str = "bypass"  # bypass | recompute | decoupled (ALGORITHMS.md §4)
+    mode: str = "bypass"  # bypass | recompute | decoupled (docs/algorithms.md §4)
     is_cap: float = 2.0  # decoupled: w = min(exp(log p_old − log p_rollout), is_cap)
     log_ratio_bounds: list | None = None  # [lo, hi]: reject sample-steps whose log-ratio falls outside
 
@@ -173,9 +184,14 @@ def validate(raw: DictConfig) -> DictConfig:
     _check_choice("model.name", cfg.model.name, sorted(MODELS))
     _check_choice("model.dtype", cfg.model.dtype, DTYPES)
     _check_choice("model.compile", cfg.model.compile, ("none", "blocks", "full"))
+    for key in ("condition_size", "vl_condition_size"):
+        if cfg.model[key] is not None and cfg.model[key] < 32:
+            raise ConfigError(f"model.{key}={cfg.model[key]} must be >= 32 (condition sides are multiples of 32 px)")
     if cfg.model.fp8 and cfg.actor.lora_rank == 0:
         raise ConfigError("model.fp8=true quantizes the frozen base weights, so it needs LoRA (actor.lora_rank > 0)")
     _check_choice("trainer.device", cfg.trainer.device, DEVICES)
+    for logger in cfg.trainer.loggers:
+        _check_choice("trainer.loggers", logger, ("tensorboard", "wandb", "mlflow"))
     _check_kwargs("algorithm", OmegaConf.to_container(cfg.algorithm), ALGORITHMS)
     reward_cfg = OmegaConf.to_container(cfg.reward)
     overlap = reward_cfg.pop("async", False)  # a reward-stage option (rewards/stage.py), for every reward

@@ -1,4 +1,4 @@
-"""Offline preference pairs for Diffusion-DPO (ALGORITHMS.md §3), from JSONL or parquet.
+"""Offline preference pairs for Diffusion-DPO (docs/algorithms.md §3), from JSONL or parquet.
 
 Format: one pair per line (JSONL) or row (parquet) with three string fields
 

@@ -2,11 +2,17 @@
 
 Other columns travel as per-prompt metadata to the reward (e.g. the shapes task's object groups). Bad rows are
 reported by line number; nothing is skipped silently.
+
+Condition images (edit and image-to-video models): a .jsonl / .parquet row may carry `image`, one path or a list of
+paths relative to the data file's folder. `load_prompts` makes them absolute and checks they exist; `split_row`
+turns such a row's prompt into `{"text": prompt, "images": [absolute paths]}` and keeps `image` in the metadata
+(the source image of edit rewards).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -14,7 +20,46 @@ import torch
 FORMATS = (".txt", ".jsonl", ".parquet")
 
 
-def load_prompts(path: str | Path) -> list[dict]:
+def _text_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 text file; a line that is not UTF-8 is a ValueError naming the file, line and byte."""
+    lines = path.read_bytes().split(b"\n")
+    out = []
+    for n, raw in enumerate(lines, 1):
+        try:
+            out.append(raw.decode("utf-8").rstrip("\r"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}:{n}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                             "save the file as UTF-8") from None
+    return out[:-1] if out and out[-1] == "" else out
+
+
+class MissingConditionImage(ValueError):
+    """A row without `image` in a data file read for a model that needs condition images (a config error)."""
+
+
+def _resolve_images(row: dict, folder: Path, where: str, required: bool) -> None:
+    """`row["image"]` (a path or a list of paths, relative to `folder` unless absolute) -> absolute paths, each
+    checked to exist; ValueError naming `where` (file and line) and the path. A missing `image` is an error only
+    when `required`."""
+    value = row.get("image")
+    if value is None:
+        if required:
+            raise MissingConditionImage(f"{where}: no 'image' (a path or a list of paths, relative to the data file)")
+        return
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p.strip() for p in paths):
+        raise ValueError(f"{where}: 'image' must be a path or a non-empty list of paths, got {value!r}")
+    resolved = []
+    for p in paths:
+        full = os.path.normpath(folder.absolute() / p)
+        if not os.path.isfile(full):
+            raise ValueError(f"{where}: image {p!r} does not exist (looked for {full})")
+        resolved.append(full)
+    row["image"] = resolved[0] if isinstance(value, str) else resolved
+
+
+def load_prompts(path: str | Path, require_image: bool = False) -> list[dict]:
+    """Rows of a prompt file; with `require_image` every row must carry `image` (MissingConditionImage otherwise)."""
     path = Path(path)
     if path.suffix not in FORMATS:
         raise ValueError(f"data.path={str(path)!r}: unsupported format {path.suffix!r}; allowed: {', '.join(FORMATS)}")
@@ -22,9 +67,13 @@ def load_prompts(path: str | Path) -> list[dict]:
         raise FileNotFoundError(f"data.path={str(path)!r} does not exist")
     rows: list[dict] = []
     if path.suffix == ".txt":
-        rows = [{"prompt": line.strip()} for line in path.read_text().splitlines() if line.strip()]
+        rows = [{"prompt": line.strip()} for line in _text_lines(path) if line.strip()]
+        if require_image and rows:
+            first = next(n for n, line in enumerate(_text_lines(path), 1) if line.strip())
+            raise MissingConditionImage(f"{path}:{first}: no 'image' (a .txt file holds prompts only; use .jsonl or "
+                                        ".parquet with an `image` column)")
     elif path.suffix == ".jsonl":
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        for n, line in enumerate(_text_lines(path), 1):
             if not line.strip():
                 continue
             try:
@@ -33,25 +82,45 @@ def load_prompts(path: str | Path) -> list[dict]:
                 raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
                 raise ValueError(f"{path}:{n}: each row needs a non-empty string 'prompt'")
+            _resolve_images(row, path.parent, f"{path}:{n}", require_image)
             rows.append(row)
     else:
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # ArrowInvalid, OSError: not a parquet file, or a truncated one
+            raise ValueError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
         if "prompt" not in table.column_names:
             raise ValueError(f"{path}: no 'prompt' column (columns: {', '.join(table.column_names)})")
         for n, row in enumerate(table.to_pylist(), 1):
             if not isinstance(row["prompt"], str) or not row["prompt"].strip():
                 raise ValueError(f"{path}: row {n}: 'prompt' must be a non-empty string")
+            _resolve_images(row, path.parent, f"{path}: row {n}", require_image)
             rows.append(row)
     if not rows:
-        raise ValueError(f"data.path={str(path)!r} holds no prompts")
+        raise ValueError(f"{path}: holds no prompts (the file is empty or only blank lines)")
     return rows
 
 
-def split_row(row: dict) -> tuple[str, dict]:
+def row_location(path: str | Path, index: int) -> str:
+    """Where row `index` (0-based, as `load_prompts` returns them) of a prompt file is, for messages:
+    `file:line` (.txt / .jsonl: blank lines are skipped by the reader, not by the count) or `file: row n`."""
+    path = Path(path)
+    if path.suffix == ".parquet":
+        return f"{path}: row {index + 1}"
+    lines = [n for n, line in enumerate(_text_lines(path), 1) if line.strip()]
+    return f"{path}:{lines[index]}" if index < len(lines) else str(path)
+
+
+def split_row(row: dict) -> tuple[str | dict, dict]:
+    """(prompt, metadata): the prompt is the text, or {"text", "images"} for a row with `image`; the metadata is
+    every other column (`image` included)."""
     meta = {k: v for k, v in row.items() if k != "prompt"}
-    return row["prompt"], meta
+    image = row.get("image")
+    if image is None:
+        return row["prompt"], meta
+    return {"text": row["prompt"], "images": [image] if isinstance(image, str) else list(image)}, meta
 
 
 class PromptSampler:

@@ -63,6 +63,7 @@ class DiffusersPolicy:
 
     default_lora_targets: list[str] = []
     family = "diffusers"
+    condition_images = False  # True: every prompt carries condition images (the trainer refuses data rows without)
 
     def __init__(self, cfg, device: torch.device, needed: tuple[str, ...]):
         self.root = Path(cfg.path)
@@ -70,7 +71,7 @@ class DiffusersPolicy:
         self.device, self.dtype = device, DTYPES[cfg.dtype]
         self.networks: dict[str, torch.nn.Module] = {}
         self._cache: dict[str, Cond] = {}
-        self.flops = 0.0  # model FLOPs executed so far (ALGORITHMS.md §6); the trainer reads and resets it
+        self.flops = 0.0  # model FLOPs executed so far (docs/algorithms.md §6); the trainer reads and resets it
 
     def load(self, name: str, dtype: torch.dtype | None = None):
         """Component `name` of the checkpoint (None when the checkpoint does not ship it)."""

@@ -188,7 +188,7 @@ class TinyQwenImageSpec:
 
 
 def qwen_image_bench_spec(words: list[str]) -> TinyQwenImageSpec:
-    """BENCHMARK.md second workload: the published Qwen-Image transformer (60 layers, 24 heads × 128, joint
+    """docs/benchmark.md second workload: the published Qwen-Image transformer (60 layers, 24 heads × 128, joint
     width 3584, 20.4 B parameters) and VAE, with a one-layer Qwen2.5-VL text encoder of the real width 3584."""
     return TinyQwenImageSpec(
         words=words, text_hidden=3584, text_layers=1, text_heads=28, text_kv_heads=4, text_intermediate=1024,
@@ -425,3 +425,337 @@ def save_tiny_wan(spec: TinyWanSpec, path: str | Path, seed: int = 0, device: st
     pipe = build_tiny_wan(spec, seed, device, dtype)
     pipe.save_pretrained(str(path))
     return Path(path)
+
+
+# ----------------------------------------------------------------------------------------------- Qwen-Image-Edit
+QWEN_VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+@dataclass
+class TinyQwenImageEditSpec(TinyQwenImageSpec):
+    """Sizes of a Qwen-Image-Edit (or, with `plus`, Edit-Plus) pipeline: the Qwen-Image sizes plus a Qwen2.5-VL
+    vision tower and the Qwen2-VL image processor (pixel limits `vl_min_pixels`..`vl_max_pixels`, patch
+    `vision_patch`, 2×2 merge)."""
+
+    plus: bool = False
+    vision_hidden: int = 16
+    vision_patch: int = 14
+    vl_min_pixels: int = 56 * 56
+    vl_max_pixels: int = 28 * 28 * 64
+
+
+def qwen_vl_template_tokenizer(words: list[str], max_length: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer for the Qwen-Image-Edit templates: chat and vision specials, newlines as tokens, and
+    English contractions ('s) as one token, so the Edit system prompt + user header is 64 tokens as with the real
+    Qwen2 tokenizer; vocabulary: `words`, both Edit templates' words, "picture" and the digits."""
+    from .qwen_image_edit import EDIT_TEMPLATE, PLUS_PICTURE
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", *QWEN_VL_SPECIALS]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab["\n"] = len(vocab)
+    split = pre_tokenizers.Split(Regex(r"'s|'t|'re|'ve|'m|'ll|'d|\w+|[^\w\s]+|\n"), behavior="removed", invert=True)
+    text = EDIT_TEMPLATE.replace("{}", " ") + PLUS_PICTURE + " " + " ".join(str(i) for i in range(10))
+    for s in specials:
+        text = text.replace(s, " ")
+    for w in sorted({w.lower() for w in words} | {w.lower() for w, _ in split.pre_tokenize_str(text)}):
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = split
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", unk_token="<unk>",
+                                   model_max_length=max_length, padding_side="right")
+
+
+def build_tiny_qwen_image_edit(spec: TinyQwenImageEditSpec, seed: int = 0) -> dict:
+    """The components of a random-weight Qwen-Image-Edit(-Plus) pipeline: Qwen-Image's transformer, VAE and
+    scheduler (`build_tiny_qwen_image`), a Qwen2.5-VL text encoder with a vision tower, the tokenizer, and the
+    Qwen2-VL image processor (`vl_image_processor`; the pipelines' `Qwen2VLProcessor` pairs it with the tokenizer
+    but cannot be built without torchvision)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    base = build_tiny_qwen_image(spec, seed)
+    tokenizer = qwen_vl_template_tokenizer(spec.words, spec.tokenizer_max_length)
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    bos, eos = tokenizer.convert_tokens_to_ids("<|im_start|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    text_config = dict(
+        vocab_size=len(tokenizer), hidden_size=spec.text_hidden, intermediate_size=spec.text_intermediate,
+        num_hidden_layers=spec.text_layers, num_attention_heads=spec.text_heads, num_key_value_heads=spec.text_kv_heads,
+        max_position_embeddings=spec.tokenizer_max_length + 64, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=bos, eos_token_id=eos,
+        rope_scaling={"type": "mrope", "mrope_section": list(spec.text_mrope_section)},
+    )
+    vision_config = dict(depth=1, hidden_size=spec.vision_hidden, intermediate_size=2 * spec.vision_hidden, num_heads=2,
+                         out_hidden_size=spec.text_hidden, patch_size=spec.vision_patch, spatial_merge_size=2,
+                         temporal_patch_size=2, fullatt_block_indexes=[0])
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=text_config, vision_config=vision_config, bos_token_id=bos, eos_token_id=eos, **ids)).eval()
+    vl_image_processor = Qwen2VLImageProcessor(min_pixels=spec.vl_min_pixels, max_pixels=spec.vl_max_pixels,
+                                               patch_size=spec.vision_patch, merge_size=2, temporal_patch_size=2)
+    return dict(scheduler=base.scheduler, vae=base.vae, transformer=base.transformer, text_encoder=text_encoder,
+                tokenizer=tokenizer, vl_image_processor=vl_image_processor)
+
+
+def save_tiny_qwen_image_edit(spec: TinyQwenImageEditSpec, path: str | Path, seed: int = 0) -> Path:
+    """Build with `build_tiny_qwen_image_edit` and save in the published diffusers layout: model_index.json names
+    `QwenImageEdit(Plus)Pipeline` and a `processor` component (transformers `Qwen2VLProcessor`) whose folder holds
+    the image processor and the tokenizer, as the published checkpoints' `processor/` does."""
+    import json
+
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+
+    parts = build_tiny_qwen_image_edit(spec, seed)
+    vl_image_processor = parts.pop("vl_image_processor")
+    cls = QwenImageEditPlusPipeline if spec.plus else QwenImageEditPipeline
+    cls(processor=None, **parts).save_pretrained(str(path))  # the processor needs torchvision: saved by hand below
+    path = Path(path)
+    vl_image_processor.save_pretrained(str(path / "processor"))
+    parts["tokenizer"].save_pretrained(str(path / "processor"))
+    index = json.loads((path / "model_index.json").read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    (path / "model_index.json").write_text(json.dumps(index, indent=2))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- SD3 with one CLIP
+def null_clip_encoder(tokenizer, max_length: int) -> CLIPTextModelWithProjection:
+    """A CLIP text encoder that contributes nothing, for the `text_encoder_2` slot of an SD3 pipeline trained with
+    one CLIP (StableDiffusion3Pipeline requires both CLIP slots). Every weight is zero, so its hidden states are
+    exactly zero, and its projection has width 0 (no pooled features): diffusers concatenates its features after
+    the first CLIP's and crops or zero-pads to the joint width, and polyrl's `sd3` adapter does the same, so both
+    compute what the one-CLIP model was trained with."""
+    cfg = CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=4, intermediate_size=4, num_hidden_layers=1, num_attention_heads=1,
+        max_position_embeddings=max_length, projection_dim=0, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    model = CLIPTextModelWithProjection(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model.eval()
+
+
+def fill_clip_g_slot(pipe: StableDiffusion3Pipeline) -> StableDiffusion3Pipeline:
+    """A one-CLIP pipeline with `null_clip_encoder` (and the first tokenizer) in its empty CLIP-G slot, so that
+    `StableDiffusion3Pipeline.from_pretrained` loads the saved directory (text_encoder_3=None, tokenizer_3=None
+    when it has no T5)."""
+    if pipe.text_encoder_2 is None:
+        tok = pipe.tokenizer
+        pipe.register_modules(text_encoder_2=null_clip_encoder(tok, tok.model_max_length), tokenizer_2=tok)
+    return pipe
+
+
+# ----------------------------------------------------------------------------------------------- FLUX.1 / Kontext
+# The schedulers of the published FLUX.1 checkpoints: dev and Kontext-dev shift with the image token count (μ between
+# base_shift at 256 tokens and max_shift at 4096, exponential time shift); schnell uses a fixed shift of 1 (none).
+FLUX_DEV_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,
+                          num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True)
+FLUX_SCHNELL_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,
+                              num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
+FLUX_LAYOUTS = ("dev", "schnell", "kontext")
+
+
+@dataclass
+class TinyFluxSpec:
+    """Sizes of a small FLUX.1 pipeline: `FluxTransformer2DModel` + `AutoencoderKL` (16-channel FLUX layout: scaling
+    and shift factors) + CLIP (pooled) and T5 (tokens) text encoders with word-level tokenizers. `layout`: "dev"
+    (guidance embedding, dynamic shift), "schnell" (no guidance embedding, no shift) or "kontext" (dev's transformer
+    in a `FluxKontextPipeline`)."""
+
+    words: list[str]
+    layout: str = "dev"
+    clip_hidden: int = 32  # = the transformer's pooled_projection_dim
+    clip_max_length: int = 16
+    t5_d_model: int = 32  # = the transformer's joint_attention_dim
+    t5_max_length: int = 32
+    num_layers: int = 1
+    num_single_layers: int = 2
+    heads: int = 2
+    head_dim: int = 16
+    axes_dims_rope: tuple[int, int, int] = (4, 6, 6)  # sums to head_dim
+    latent_channels: int = 4  # VAE latent channels; the transformer sees 4x this (2x2 patches)
+    vae_channels: tuple[int, ...] = (16, 32)
+    vae_scaling_factor: float = 0.36  # FLUX.1's VAE: 0.3611, shift 0.1159
+    vae_shift_factor: float = 0.12
+
+    @property
+    def vae_factor(self) -> int:
+        return 2 ** (len(self.vae_channels) - 1)
+
+
+def build_tiny_flux(spec: TinyFluxSpec, seed: int = 0):
+    """A random-weight `FluxPipeline` (`FluxKontextPipeline` for layout "kontext") of `spec`'s sizes."""
+    from diffusers import FluxKontextPipeline, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    if spec.layout not in FLUX_LAYOUTS:
+        raise ValueError(f"TinyFluxSpec.layout={spec.layout!r}; allowed: {', '.join(FLUX_LAYOUTS)}")
+    torch.manual_seed(seed)
+    clip_tok = word_tokenizer(spec.words, spec.clip_max_length, add_bos=True)
+    clip = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(clip_tok), hidden_size=spec.clip_hidden, intermediate_size=spec.clip_hidden * 2,
+        num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=spec.clip_max_length,
+        pad_token_id=clip_tok.pad_token_id, bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id,
+    )).eval()
+    t5_tok = word_tokenizer(spec.words, spec.t5_max_length, add_bos=False)
+    t5 = T5EncoderModel(T5Config(
+        vocab_size=len(t5_tok), d_model=spec.t5_d_model, d_kv=16, d_ff=spec.t5_d_model * 2, num_layers=1,
+        num_heads=max(1, spec.t5_d_model // 16), pad_token_id=t5_tok.pad_token_id, eos_token_id=t5_tok.eos_token_id,
+        decoder_start_token_id=t5_tok.pad_token_id,
+    )).eval()
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * spec.latent_channels, num_layers=spec.num_layers,
+        num_single_layers=spec.num_single_layers, attention_head_dim=spec.head_dim, num_attention_heads=spec.heads,
+        joint_attention_dim=spec.t5_d_model, pooled_projection_dim=spec.clip_hidden,
+        guidance_embeds=spec.layout != "schnell", axes_dims_rope=tuple(spec.axes_dims_rope),
+    )
+    n = len(spec.vae_channels)
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n, block_out_channels=tuple(spec.vae_channels), layers_per_block=1,
+        latent_channels=spec.latent_channels, norm_num_groups=8, scaling_factor=spec.vae_scaling_factor,
+        shift_factor=spec.vae_shift_factor, use_quant_conv=False, use_post_quant_conv=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        **(FLUX_SCHNELL_SCHEDULER if spec.layout == "schnell" else FLUX_DEV_SCHEDULER))
+    cls = FluxKontextPipeline if spec.layout == "kontext" else FluxPipeline
+    return cls(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tok, text_encoder_2=t5,
+               tokenizer_2=t5_tok, transformer=transformer)
+
+
+def save_tiny_flux(spec: TinyFluxSpec, path: str | Path, seed: int = 0) -> Path:
+    """Build with `build_tiny_flux` and `save_pretrained` into `path` (a diffusers directory)."""
+    build_tiny_flux(spec, seed).save_pretrained(str(path))
+    return Path(path)
+
+
+# ----------------------------------------------------------------------------------------------- FLUX.2
+FLUX2_LAYOUTS = ("klein", "klein-distilled", "dev")
+# FLUX.2's scheduler: the pipelines compute μ themselves (`compute_empirical_mu`); the exponential time shift is the
+# scheduler's (use_dynamic_shifting).
+FLUX2_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,
+                       num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True)
+# Minimal chat templates with the published renderings: Qwen3's user turn and generation prompt with thinking off
+# (the empty think block), and Mistral-Small-3's system prompt + instruction markup over content lists.
+QWEN3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+MISTRAL3_CHAT_TEMPLATE = (
+    "<s>{%- for m in messages %}{%- if m.role == 'system' %}[SYSTEM_PROMPT]{%- for c in m.content %}{{ c.text }}"
+    "{%- endfor %}[/SYSTEM_PROMPT]{%- else %}[INST]{%- for c in m.content %}{{ c.text }}{%- endfor %}[/INST]"
+    "{%- endif %}{%- endfor %}"
+)
+
+
+@dataclass
+class TinyFlux2Spec:
+    """Sizes of a small FLUX.2 pipeline: `Flux2Transformer2DModel` + `AutoencoderKLFlux2` + the layout's text encoder.
+    `layout`: "klein" (`Flux2KleinPipeline`, Qwen3 text encoder, no guidance embedding: CFG), "klein-distilled" (the
+    same with `is_distilled`: no guidance at all) or "dev" (`Flux2Pipeline`, Mistral-3 text encoder, guidance
+    embedding). The text encoders have as many layers as the pipelines read hidden states from (28 / 31)."""
+
+    words: list[str]
+    layout: str = "klein"
+    text_hidden: int = 16  # the transformer's joint_attention_dim is 3x this (three stacked layers)
+    text_max_length: int = 64
+    num_layers: int = 1
+    num_single_layers: int = 2
+    heads: int = 2
+    head_dim: int = 16
+    axes_dims_rope: tuple[int, ...] = (4, 4, 4, 4)  # sums to head_dim
+    latent_channels: int = 8  # VAE latent channels; the transformer sees 4x this (2x2 patches)
+    vae_channels: tuple[int, ...] = (16, 32)
+
+    @property
+    def vae_factor(self) -> int:
+        return 2 ** (len(self.vae_channels) - 1)
+
+
+def _flux2_text_encoder(spec: TinyFlux2Spec):
+    """(text encoder, tokenizer) of the layout, random weights."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<think>", "</think>"]
+    markup = ["<s>", "</s>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]", "[IMG]"]
+    dev = spec.layout == "dev"
+    if dev:
+        from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+        specials = ["<pad>", "<unk>", *markup]
+    words = list(spec.words) + ["user", "assistant"] + (SYSTEM_MESSAGE.split() if dev else [])
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab["\n"] = len(vocab)
+    split = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]+|\n"), behavior="removed", invert=True)
+    for w in sorted({w for text in words for w, _ in split.pre_tokenize_str(text.lower())}):
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = split
+    tok.add_special_tokens(specials)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=specials[0], unk_token="<unk>", model_max_length=spec.text_max_length,
+        padding_side="right", chat_template=MISTRAL3_CHAT_TEMPLATE if dev else QWEN3_CHAT_TEMPLATE)
+    text = dict(vocab_size=len(tokenizer), hidden_size=spec.text_hidden, intermediate_size=2 * spec.text_hidden,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=spec.text_hidden // 2,
+                max_position_embeddings=spec.text_max_length + 16, pad_token_id=tokenizer.pad_token_id)
+    if dev:
+        from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
+                      image_size=28, patch_size=14)
+        config = Mistral3Config(text_config=dict(model_type="mistral", num_hidden_layers=31, **text),
+                                vision_config=dict(model_type="pixtral", **vision),
+                                image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"))
+        return Mistral3ForConditionalGeneration(config).eval(), tokenizer
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=28, **text)).eval(), tokenizer
+
+
+def build_tiny_flux2(spec: TinyFlux2Spec, seed: int = 0):
+    """A random-weight `Flux2KleinPipeline` / `Flux2Pipeline` of `spec`'s sizes (the VAE's batch-norm statistics away
+    from 0 / 1, so that the latent normalisation is exercised)."""
+    from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
+
+    if spec.layout not in FLUX2_LAYOUTS:
+        raise ValueError(f"TinyFlux2Spec.layout={spec.layout!r}; allowed: {', '.join(FLUX2_LAYOUTS)}")
+    torch.manual_seed(seed)
+    text_encoder, tokenizer = _flux2_text_encoder(spec)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=4 * spec.latent_channels, num_layers=spec.num_layers,
+        num_single_layers=spec.num_single_layers, attention_head_dim=spec.head_dim, num_attention_heads=spec.heads,
+        joint_attention_dim=3 * spec.text_hidden, axes_dims_rope=tuple(spec.axes_dims_rope),
+        guidance_embeds=spec.layout == "dev",
+    )
+    n = len(spec.vae_channels)
+    vae = AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * n, up_block_types=("UpDecoderBlock2D",) * n,
+        block_out_channels=tuple(spec.vae_channels), layers_per_block=1, latent_channels=spec.latent_channels,
+        norm_num_groups=8, sample_size=64,
+    )
+    channels = vae.bn.running_mean.numel()
+    vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, channels))
+    vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, channels))
+    scheduler = FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER)
+    parts = dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+    if spec.layout == "dev":
+        return Flux2Pipeline(**parts)
+    return Flux2KleinPipeline(**parts, is_distilled=spec.layout == "klein-distilled")
+
+
+def save_tiny_flux2(spec: TinyFlux2Spec, path: str | Path, seed: int = 0) -> Path:
+    """Build with `build_tiny_flux2` and save in the published layout (FLUX.2-dev's model_index.json names the
+    tokenizer a transformers `PixtralProcessor`, which cannot be built without torchvision: the tokenizer is saved
+    and the index entry written by hand)."""
+    import json
+
+    path = Path(path)
+    build_tiny_flux2(spec, seed).save_pretrained(str(path))
+    if spec.layout == "dev":
+        index = json.loads((path / "model_index.json").read_text())
+        index["tokenizer"] = ["transformers", "PixtralProcessor"]
+        (path / "model_index.json").write_text(json.dumps(index, indent=2))
+    return path

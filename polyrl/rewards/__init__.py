@@ -1,4 +1,18 @@
-from . import aesthetic, clip_score, hps, http, jpeg, latent, mix, ocr, pickscore, shapes, vlm_judge  # noqa: F401  (register the built-in scorers)
+from . import (  # noqa: F401  (register the built-in scorers)
+    aesthetic,
+    clip_score,
+    hps,
+    http,
+    jpeg,
+    latent,
+    mix,
+    motion,
+    ocr,
+    pickscore,
+    preservation,
+    shapes,
+    vlm_judge,
+)
 from .base import (
     REWARDS,
     Audio,

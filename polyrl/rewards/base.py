@@ -163,9 +163,12 @@ def _call(reward, kinds: frozenset[str], media, prompts, metadata, latents):
     return reward(media if "images" in kinds else None, prompts, metadata, latents=latents)
 
 
-def call_reward(reward, media, prompts: list[str], metadata: list[dict], latents: torch.Tensor | None = None):
+def call_reward(reward, media, prompts: list, metadata: list[dict], latents: torch.Tensor | None = None):
     """Call `reward` with what it declares it reads (the one place the convention above is applied): an image
-    scorer given video scores its sampled frames (`score_frames`); a kind it cannot read is a ValueError."""
+    scorer given video scores its sampled frames (`score_frames`); a kind it cannot read is a ValueError.
+    A prompt with condition media (`{"text", "images"}`) reaches the reward as its text; the condition paths are in
+    `metadata` (where edit rewards read their source image)."""
+    prompts = [p if isinstance(p, str) else p["text"] for p in prompts]
     kinds = reward_inputs(reward)
     if "images" in kinds and media is None:
         raise ValueError(f"reward {type(reward).__name__} reads images but none were decoded")

@@ -31,6 +31,7 @@ import uuid
 import numpy as np
 import torch
 
+from ..errors import UserError
 from .base import MEDIA_KINDS, RewardOutput, media_kind, media_len, media_slice, register_reward
 from .codec import FORMATS, VIDEO_FORMATS, encode_audio, encode_image_bytes, encode_images, encode_videos, to_uint8
 from .stage import RewardUnavailable, merge_extras
@@ -176,6 +177,37 @@ class HttpReward:
         results = self._run(self._score_all(media, list(prompts), metadata, chunks))
         scores = torch.tensor([s for part, _ in results for s in part], dtype=torch.float32)
         return RewardOutput(scores, merge_extras([(len(part), extras) for part, extras in results]))
+
+    def preflight(self) -> None:
+        """Before the trainer loads the model: the server answers (json: `GET {url}/health` says "ok";
+        flow_grpo_pickle: its port accepts a connection). UserError naming the URL otherwise."""
+        import socket
+        from urllib.parse import urlsplit
+
+        import httpx
+
+        if self.protocol != "json":
+            parts = urlsplit(self.url)
+            try:
+                socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)),
+                                         timeout=self.connect_timeout).close()
+            except OSError as e:
+                raise UserError(f"reward.url={self.url}: cannot connect ({e}); is the reward server running?") from None
+            return
+        health = self.url + "/health"
+        try:
+            resp = httpx.get(health, timeout=httpx.Timeout(self.connect_timeout))
+        except httpx.HTTPError as e:
+            raise UserError(f"reward.url={self.url}: GET {health} failed ({type(e).__name__}: {e}); is "
+                            "`polyrl serve-reward` running there?") from None
+        try:
+            body = resp.json() if resp.status_code == 200 else None
+        except ValueError:
+            body = None
+        status = body.get("status") if isinstance(body, dict) else None
+        if status != "ok":
+            raise UserError(f"reward.url={self.url}: GET {health} answered HTTP {resp.status_code} "
+                            f"({_detail(resp)}), not a healthy polyrl reward server")
 
     def close(self) -> None:
         if self._loop is not None:

@@ -204,6 +204,11 @@ class ShapesReward:
             raise ValueError(f"shapes reward: a relation needs exactly two groups (prompt {prompt!r})")
         return spec
 
+    def check_prompt(self, prompt: str, meta: dict | None = None) -> None:
+        """ValueError when this reward could not score `prompt` (the trainer checks every data row before it
+        starts, so a bad row is reported with its file and line rather than mid-run)."""
+        self._spec(prompt, meta)
+
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> RewardOutput:
         bsz = images.shape[0]
         if len(prompts) != bsz:

@@ -6,6 +6,10 @@ template (Qwen2-VL / Qwen2.5-VL, LLaVA, Idefics3, ...) works: one user message o
 question being `template` with `{prompt}` replaced by the generation prompt; greedy decoding of at most
 `max_new_tokens` tokens; the first match of `pattern` in the answer, its first group read as a float.
 
+Edit tasks (`source_key`, e.g. `image`): the turn is [source image(s), generated image, question], the source
+images read from that metadata column (the row's condition images: a path or a list of paths), so the judge compares
+the edit with what it edited; `template` defaults to `DEFAULT_EDIT_TEMPLATE` then.
+
 Default pattern: `score` (any case), optional `:` or `=`, then a number, e.g. "Score: 7", "score = 3.5".
 With `score_range: [lo, hi]` a value outside it counts as unparseable and the score is (v - lo) / (hi - lo).
 An unparseable answer is never a 0: `on_unparseable=error` (default) stops with the answer's text;
@@ -18,8 +22,10 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
 import torch
 
+from ..models.base import prompt_text
 from .base import (
     RewardOutput,
     check_batch,
@@ -33,6 +39,9 @@ from .clip_score import local_dir
 
 DEFAULT_TEMPLATE = ('Look at the image. How well does it show "{prompt}"? Rate it from 0 to 10 and answer in '
                     'the form "Score: N".')
+DEFAULT_EDIT_TEMPLATE = ('The first image is the original, the last is the result of the edit instruction "{prompt}". '
+                         'How well does the result carry out the instruction while keeping everything else of the '
+                         'original? Rate it from 0 to 10 and answer in the form "Score: N".')
 DEFAULT_PATTERN = r"(?i)score\s*[:=]?\s*(-?\d+(?:\.\d+)?)"
 UNPARSEABLE = ("error", "exclude")
 
@@ -69,12 +78,16 @@ class LocalVLM:
         self.processor = AutoProcessor.from_pretrained(path)
         self.processor.tokenizer.padding_side = padding_side  # left: batched generation / last position = last token
 
-    def inputs(self, images: torch.Tensor, questions: list[str]) -> dict:
+    def inputs(self, images: torch.Tensor, questions: list[str], sources: list[list] | None = None) -> dict:
+        """One chat turn per image: [image, question], or [*sources[i], image, question] with source images."""
         if media_kind(images) != "images":
             raise ValueError(f"VLM scorers score images (B, 3, H, W), got {tuple(images.shape)}")
-        chats = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}] for q in questions]
+        sources = sources or [[] for _ in questions]
+        chats = [[{"role": "user", "content": [{"type": "image"}] * (len(src) + 1) + [{"type": "text", "text": q}]}]
+                 for q, src in zip(questions, sources, strict=True)]
         text = self.processor.apply_chat_template(chats, add_generation_prompt=True, tokenize=False)
-        batch = self.processor(text=text, images=image_batch_as_uint8(images), return_tensors="pt", padding=True)
+        pictures = [p for src, image in zip(sources, image_batch_as_uint8(images), strict=True) for p in (*src, image)]
+        batch = self.processor(text=text, images=pictures, return_tensors="pt", padding=True)
         return {k: (v.to(self.device, self.dtype) if torch.is_floating_point(v) else v.to(self.device))
                 for k, v in batch.items()}
 
@@ -83,11 +96,13 @@ class LocalVLM:
 class VLMJudge:
     """Score = the number the VLM answers to `template` (module docstring)."""
 
-    def __init__(self, path: str, template: str = DEFAULT_TEMPLATE, pattern: str = DEFAULT_PATTERN,
+    def __init__(self, path: str, template: str | None = None, pattern: str = DEFAULT_PATTERN,
                  score_range: list | None = None, on_unparseable: str = "error", max_new_tokens: int = 32,
-                 device: str = "auto", dtype: str = "float32"):
+                 device: str = "auto", dtype: str = "float32", source_key: str | None = None):
         if on_unparseable not in UNPARSEABLE:
             raise ValueError(f"vlm_judge: on_unparseable={on_unparseable!r}; allowed: {', '.join(UNPARSEABLE)}")
+        if template is None:
+            template = DEFAULT_TEMPLATE if source_key is None else DEFAULT_EDIT_TEMPLATE
         if "{prompt}" not in template:
             raise ValueError("vlm_judge: template must contain {prompt}")
         self.pattern = re.compile(pattern)
@@ -97,14 +112,38 @@ class VLMJudge:
             score_range = tuple(float(x) for x in score_range)
             if len(score_range) != 2 or not score_range[0] < score_range[1]:
                 raise ValueError(f"vlm_judge: score_range={list(score_range)} must be [lo, hi] with lo < hi")
-        self.template, self.score_range = template, score_range
+        self.template, self.score_range, self.source_key = template, score_range, source_key
         self.on_unparseable, self.max_new_tokens = on_unparseable, int(max_new_tokens)
         self.vlm = LocalVLM(path, device, dtype)
         self.last_answers: list[str] = []
 
+    def source_images(self, metadata: list[dict]) -> list[list] | None:
+        """Each sample's source images (RGB uint8 arrays) from metadata `source_key`; None without a source_key."""
+        if self.source_key is None:
+            return None
+        from PIL import Image
+
+        out = []
+        for i, meta in enumerate(metadata):
+            value = meta.get(self.source_key)
+            paths = [value] if isinstance(value, str) else value
+            if not isinstance(paths, list | tuple) or not paths or not all(isinstance(p, str) for p in paths):
+                raise ValueError(f"vlm_judge: sample {i} has no source image path in metadata {self.source_key!r} "
+                                 f"(got {value!r})")
+            images = []
+            for p in paths:
+                try:
+                    with Image.open(p) as image:
+                        images.append(np.asarray(image.convert("RGB")))
+                except OSError as e:
+                    raise ValueError(f"vlm_judge: source image {p}: {e}") from None
+            out.append(images)
+        return out
+
     @torch.no_grad()
-    def answers(self, images: torch.Tensor, prompts: list[str]) -> list[str]:
-        batch = self.vlm.inputs(images, [self.template.replace("{prompt}", p) for p in prompts])
+    def answers(self, images: torch.Tensor, prompts: list, sources: list[list] | None = None) -> list[str]:
+        questions = [self.template.replace("{prompt}", prompt_text(p)) for p in prompts]
+        batch = self.vlm.inputs(images, questions, sources)
         tok, gen = self.vlm.processor.tokenizer, self.vlm.model.generation_config
         out = self.vlm.model.generate(**batch, max_new_tokens=self.max_new_tokens, do_sample=False,
                                       eos_token_id=gen.eos_token_id if gen.eos_token_id is not None else tok.eos_token_id,
@@ -112,8 +151,8 @@ class VLMJudge:
         return self.vlm.processor.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
 
     def __call__(self, images, prompts, metadata=None) -> RewardOutput:
-        check_batch("vlm_judge", images.shape[0], prompts, metadata)
-        self.last_answers = self.answers(images, prompts)
+        metadata = check_batch("vlm_judge", images.shape[0], prompts, metadata)
+        self.last_answers = self.answers(images, prompts, self.source_images(metadata))
         values = [parse_score(a, self.pattern, self.score_range) for a in self.last_answers]
         bad = [i for i, v in enumerate(values) if v is None]
         if bad and self.on_unparseable == "error":

@@ -1,58 +1,220 @@
-"""Run outputs a person looks at: metrics.jsonl, TensorBoard, sample grids (PNG) and grid videos (mp4), the
-reward curve."""
+"""Run outputs a person looks at: metrics.jsonl, TensorBoard / W&B / MLflow scalars, sample grids (PNG) and grid
+videos (mp4), the reward curve."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 import torch
 from PIL import Image, ImageDraw
 
+from ..errors import UserError
+
+LOGGERS = ("tensorboard", "wandb", "mlflow")
+
+
+def read_metrics(path: Path) -> tuple[list[dict], str | None]:
+    """The rows of a metrics.jsonl and a note when its last line was torn (a kill in the middle of a write: that
+    line is dropped). A malformed line before the last is a UserError naming the file and line."""
+    if not path.is_file():
+        return [], None
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    rows, note = [], None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not an object with an integer step")
+        except ValueError as e:
+            if n == len(lines):
+                note = f"{path}:{n}: dropped a torn last line ({len(line)} characters)"
+                break
+            raise UserError(f"{path}:{n}: malformed metrics line ({e})") from None
+        rows.append(row)
+    return rows, note
+
 
 class MetricsLogger:
-    """One JSON object per step in `metrics.jsonl` (plus TensorBoard scalars when enabled)."""
+    """One JSON object per step in `metrics.jsonl`, plus the scalars to each logger of `loggers`: `tensorboard`
+    (run_dir/tensorboard), `wandb` (Weights & Biases; settings from its WANDB_* environment variables, files
+    under run_dir), `mlflow` (settings from MLFLOW_TRACKING_URI / MLFLOW_EXPERIMENT_NAME). wandb and mlflow are
+    imported only when listed; a logger that fails while the run goes on is reported once and dropped."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    def __init__(self, run_dir: Path, loggers=("tensorboard",), name: str = "polyrl", config: dict | None = None,
+                 warn=None):
         self.path = run_dir / "metrics.jsonl"
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        self.warn = warn or (lambda msg: print(msg, file=sys.stderr))
+        self.sinks: dict[str, object] = {}
+        for logger in dict.fromkeys(loggers):
+            if logger not in SINKS:
+                raise UserError(f"trainer.loggers: unknown logger {logger!r}; allowed: {', '.join(LOGGERS)}")
+            try:
+                self.sinks[logger] = SINKS[logger](run_dir, name, config or {})
+            except ImportError as e:
+                self.close()
+                raise UserError(f"trainer.loggers={logger} needs the {logger} package ({e}); pip install {logger}") from None
 
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-
-    def truncate_after(self, step: int) -> None:
-        """On resume: drop lines written after the checkpoint, so the log matches an uninterrupted run."""
+    def truncate_after(self, step: int) -> str | None:
+        """On resume: keep the lines up to the checkpoint's step, so the log matches an uninterrupted run; a torn
+        last line is dropped (returned: a note saying so)."""
+        rows, note = read_metrics(self.path)
         if self.path.is_file():
-            keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-            self.path.write_text("".join(line + "\n" for line in keep))
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
+            tmp.replace(self.path)
+        return note
 
     def log(self, metrics: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        if self.writer is not None:
-            for k, v in metrics.items():
-                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self.writer.add_scalar(k, v, metrics["step"])
-            self.writer.flush()
+        scalars = {k: float(v) for k, v in metrics.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        for name, sink in list(self.sinks.items()):
+            try:
+                sink.log(scalars, metrics["step"])
+            except Exception as e:  # a logging service going away must not stop training
+                self.warn(f"polyrl: warning: logger {name} failed ({type(e).__name__}: {e}); it is dropped for this run")
+                del self.sinks[name]
 
     def history(self) -> list[dict]:
-        if not self.path.is_file():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+        return read_metrics(self.path)[0]
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for name, sink in list(self.sinks.items()):
+            try:
+                sink.close()
+            except Exception as e:
+                self.warn(f"polyrl: warning: logger {name} did not close cleanly ({type(e).__name__}: {e})")
+        self.sinks = {}
+
+
+class TensorBoardSink:
+    def __init__(self, run_dir: Path, name: str, config: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = str(v)
+    return out
+
+
+class WandbSink:
+    """A W&B run whose id is derived from the run directory, so a resumed run continues the same W&B run
+    (W&B ignores steps it has already seen). Offline: WANDB_MODE=offline (files under run_dir/wandb)."""
+
+    def __init__(self, run_dir: Path, name: str, config: dict):
+        import wandb
+
+        run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", name), name=f"{name}/{run_dir.name}",
+                              id=run_id, resume="allow", dir=str(run_dir), config=config)
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowSink:
+    """An MLflow run in experiment MLFLOW_EXPERIMENT_NAME (default: the run's name) of the tracking server or
+    store MLFLOW_TRACKING_URI names; its id is kept in run_dir/mlflow_run_id, so a resumed run logs into it.
+    Metric keys have "." where metrics.jsonl has "/" (`reward.mean`)."""
+
+    def __init__(self, run_dir: Path, name: str, config: dict):
+        import mlflow
+        from mlflow.entities import Param
+
+        self.client = mlflow.MlflowClient()
+        id_file = run_dir / "mlflow_run_id"
+        if id_file.is_file():
+            self.run_id = id_file.read_text().strip()
+            return
+        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", name)
+        found = self.client.get_experiment_by_name(experiment)
+        exp_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        self.run_id = self.client.create_run(exp_id, run_name=run_dir.name).info.run_id
+        params = [Param(k, v[:6000]) for k, v in _flat(config).items()]
+        for i in range(0, len(params), 100):  # MLflow's limit per batch
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+        id_file.write_text(self.run_id)
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        # "/" -> ".": a file store keeps each metric in a file named by its key, so `ratio_absdev` and
+        # `ratio_absdev/first_minibatch` would be a file and a directory of the same name
+        self.client.log_batch(self.run_id, metrics=[Metric(k.replace("/", "."), v, now, step)
+                                                    for k, v in scalars.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink, "mlflow": MlflowSink}
+
+
+def wrap_text(text: str, width: int, draw: ImageDraw.ImageDraw) -> list[str]:
+    """`text` in lines at most `width` pixels wide (a word longer than a line gets a line of its own)."""
+    lines, line = [], ""
+    for word in text.split():
+        candidate = f"{line} {word}".strip()
+        if line and draw.textlength(candidate) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = candidate
+    return lines + [line] if line or not lines else lines
+
+
+def tile_caption(caption: str, score: float | None, baseline: float | None) -> str:
+    """A tile's full prompt, then its reward and, when known, the reward of the same tile at the first evaluation."""
+    if score is None:
+        return caption
+    return caption + f"\nr={score:.2f}" + (f" (was {baseline:.2f})" if baseline is not None else "")
 
 
 def grid_image(images: torch.Tensor, captions: list[str], scores: list[float] | None, cols: int = 8,
-               scale: int = 2) -> Image.Image:
-    """A grid of (B, 3, H, W) images in [0, 1]; each tile is captioned with its prompt (wrapped) and score."""
+               scale: int = 2, baselines: list[float] | None = None) -> Image.Image:
+    """A grid of (B, 3, H, W) images in [0, 1]; under each tile its whole prompt (wrapped to the tile width),
+    its reward `r=` and, with `baselines`, that tile's reward at the first evaluation (`was`)."""
     b, _, h, w = images.shape
     cols = min(cols, b)
-    tile_w, cap_h = w * scale, 34
+    tile_w = w * scale
+    draw = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    texts = []
+    for i in range(b):
+        lines = wrap_text(captions[i], tile_w - 4, draw)
+        score = scores[i] if scores is not None else None
+        extra = tile_caption("", score, baselines[i] if baselines is not None else None).strip()
+        texts.append("\n".join(lines + ([extra] if extra else [])))
+    line_h = 12
+    cap_h = max(t.count("\n") + 1 for t in texts) * line_h + 4
     rows = math.ceil(b / cols)
     grid = Image.new("RGB", (cols * tile_w, rows * (h * scale + cap_h)), "white")
     draw = ImageDraw.Draw(grid)
@@ -60,42 +222,33 @@ def grid_image(images: torch.Tensor, captions: list[str], scores: list[float] | 
     for i in range(b):
         x, y = (i % cols) * tile_w, (i // cols) * (h * scale + cap_h)
         grid.paste(Image.fromarray(arr[i]).resize((tile_w, h * scale), Image.NEAREST), (x, y))
-        words, lines, line = captions[i].split(), [], ""
-        for word in words:
-            if len(line) + len(word) + 1 > tile_w // 6:
-                lines.append(line)
-                line = word
-            else:
-                line = f"{line} {word}".strip()
-        lines.append(line)
-        text = "\n".join(lines[:2] + ([f"r={scores[i]:.2f}"] if scores is not None else []))
-        draw.multiline_text((x + 2, y + h * scale + 1), text, fill="black", spacing=0)
+        draw.multiline_text((x + 2, y + h * scale + 1), texts[i], fill="black", spacing=2)
     return grid
 
 
 def save_grid(images: torch.Tensor, captions: list[str], scores: list[float] | None, path: Path, cols: int = 8,
-              scale: int = 2) -> None:
+              scale: int = 2, baselines: list[float] | None = None) -> None:
     """A captioned PNG grid (see `grid_image`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    grid_image(images, captions, scores, cols, scale).save(path)
+    grid_image(images, captions, scores, cols, scale, baselines).save(path)
 
 
 def save_video_grid(video: torch.Tensor, captions: list[str], scores: list[float] | None, path: Path, fps: float,
-                    cols: int = 8, scale: int = 2) -> None:
+                    cols: int = 8, scale: int = 2, baselines: list[float] | None = None) -> None:
     """A captioned grid video (mp4) of (B, T, 3, H, W) clips in [0, 1]: frame t of every clip side by side."""
     import numpy as np
 
     from ..rewards.codec import encode_mp4
 
-    frames = np.stack([np.asarray(grid_image(video[:, t], captions, scores, cols, scale))
+    frames = np.stack([np.asarray(grid_image(video[:, t], captions, scores, cols, scale, baselines))
                        for t in range(video.shape[1])])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(encode_mp4(frames, fps))
 
 
-def save_samples(batch, stem: Path, fps: float = 16.0) -> list[Path]:
+def save_samples(batch, stem: Path, fps: float = 16.0, baselines: list[float] | None = None) -> list[Path]:
     """A batch's decoded media as files a person opens: `<stem>.png` for images; for video `<stem>.mp4` and a PNG
-    grid of each clip's middle frame. Captions are the prompts and rewards."""
+    grid of each clip's middle frame. Captions are the prompts and rewards (and `baselines`, see `grid_image`)."""
     from ..models.base import prompt_text
 
     captions = [prompt_text(p) for p in batch.prompts]
@@ -103,14 +256,27 @@ def save_samples(batch, stem: Path, fps: float = 16.0) -> list[Path]:
     media, written = batch.media or {}, []
     if "images" in media:
         written.append(stem.with_suffix(".png"))
-        save_grid(media["images"], captions, scores, written[-1])
+        save_grid(media["images"], captions, scores, written[-1], baselines=baselines)
     if "video" in media:
         video = media["video"]
         written.append(stem.with_suffix(".mp4"))
-        save_video_grid(video, captions, scores, written[-1], fps)
+        save_video_grid(video, captions, scores, written[-1], fps, baselines=baselines)
         written.append(stem.with_suffix(".png"))
-        save_grid(video[:, video.shape[1] // 2], captions, scores, written[-1])
+        save_grid(video[:, video.shape[1] // 2], captions, scores, written[-1], baselines=baselines)
     return written
+
+
+def pick_tiles(keys: list[str], rewards: torch.Tensor, k: int) -> list[int]:
+    """k sample indices whose rewards sit at evenly spaced ranks from the lowest to the highest, one sample per
+    distinct prompt (`keys`) while there are enough: a grid that spans hard and easy prompts, hardest first."""
+    first = list({key: i for i, key in reversed(list(enumerate(keys)))}.values())
+    pool = sorted(first) if len(first) >= k else list(range(len(keys)))
+    order = sorted(pool, key=lambda i: (float(rewards[i]), i))
+    if k >= len(order):
+        return order
+    if k == 1:
+        return [order[len(order) // 2]]
+    return [order[round(j * (len(order) - 1) / (k - 1))] for j in range(k)]
 
 
 def plot_reward_curve(history: list[dict], path: Path) -> None:

@@ -8,9 +8,15 @@ step's prompt groups, gathering the step's rewards, and letting only rank 0 writ
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
+import shlex
+import signal
+import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,10 +30,11 @@ from ..algorithms.advantage import zero_std_ratio
 from ..batch import Rollout
 from ..config.schema import ConfigError
 from ..data.pairs import load_pairs, pair_batch
-from ..data.prompts import PromptSampler, load_prompts, split_row
+from ..data.prompts import MissingConditionImage, PromptSampler, load_prompts, row_location, split_row
 from ..distributed.engine import LocalEngine, build_engine
+from ..errors import UserError
 from ..latents import MediaShape
-from ..models import build_model
+from ..models import MODELS, build_model
 from ..models.base import Guidance
 from ..perf.compile import compile_transformer
 from ..perf.fp8 import apply_fp8
@@ -35,8 +42,18 @@ from ..perf.timer import StageTimer
 from ..rewards import build_reward
 from ..rewards.stage import RewardStage, RewardUnavailable, merge_extras, score_batch
 from ..sampling.diffusion import SamplingPlan, draw_noise, rollout
-from .checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
-from .logging import MetricsLogger, plot_reward_curve, save_samples
+from .checkpoint import (
+    STATE_FILE,
+    CheckpointError,
+    checkpoint_dir,
+    checkpoint_step,
+    clean_stale,
+    list_checkpoints,
+    load_checkpoint,
+    load_newest,
+    save_checkpoint,
+)
+from .logging import MetricsLogger, pick_tiles, plot_reward_curve, save_samples
 
 
 def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
@@ -54,45 +71,75 @@ def plan_from_config(r: DictConfig) -> SamplingPlan:
     )
 
 
-def resolve_run_dir(cfg: DictConfig) -> tuple[Path, Path | None]:
-    """(run directory, checkpoint to resume from or None)."""
+def resolve_run_dir(cfg: DictConfig) -> tuple[Path, list[Path], list[str]]:
+    """(run directory, checkpoints to resume from (newest first; empty: a fresh start), lines to tell the user).
+
+    `trainer.resume=auto` continues `trainer.output_dir`, or else the newest run of `runs/<name>/`; when that newest
+    run has no checkpoint but an older one has, which one is meant is ambiguous and it refuses, naming the runs.
+    Leftovers of an interrupted checkpoint write in the chosen run are cleaned first (`clean_stale`).
+    """
     t = cfg.trainer
     if t.resume not in (None, "auto"):
         ckpt = Path(t.resume)
-        if not (ckpt / "trainer_state.pt").is_file():
-            raise FileNotFoundError(f"trainer.resume={t.resume!r} is not a checkpoint directory (no trainer_state.pt)")
-        return ckpt.parent.parent, ckpt
+        if not (ckpt / STATE_FILE).is_file():
+            raise CheckpointError(f"trainer.resume={t.resume!r} is not a checkpoint directory (no {STATE_FILE})")
+        checkpoint_step(ckpt)
+        return ckpt.parent.parent, [ckpt], []
     if t.output_dir is not None:
         run_dir = Path(t.output_dir)
-    else:
-        root = Path("runs") / cfg.name
-        runs = sorted(p for p in root.glob("*") if p.is_dir()) if root.is_dir() else []
-        with_ckpt = [p for p in runs if latest_checkpoint(p) is not None]
-        if t.resume == "auto" and with_ckpt:
-            run_dir = with_ckpt[-1]
-        else:
-            run_dir = root / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
-    if ckpt is not None and t.resume is None:
-        raise FileExistsError(
-            f"trainer.output_dir={str(run_dir)!r} already holds a run; pass trainer.resume=auto to continue it, "
-            "or choose another trainer.output_dir"
-        )
-    return run_dir, ckpt
+        notes = [f"polyrl: {line}" for line in clean_stale(run_dir)]
+        found = list_checkpoints(run_dir)
+        if found and t.resume is None:
+            raise FileExistsError(
+                f"trainer.output_dir={str(run_dir)!r} already holds a run; pass trainer.resume=auto to continue it, "
+                "or choose another trainer.output_dir"
+            )
+        if t.resume == "auto" and not found:
+            notes.append(f"polyrl: trainer.resume=auto: {run_dir} has no checkpoint yet; starting at step 0")
+        return run_dir, found, notes
+    root = Path("runs") / cfg.name
+    runs = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    notes = []
+    if t.resume == "auto":
+        if runs:
+            newest = runs[-1]
+            notes = [f"polyrl: {line}" for line in clean_stale(newest)]
+            found = list_checkpoints(newest)
+            if found:
+                return newest, found, notes
+            older = [(r, list_checkpoints(r)) for r in runs[:-1]]
+            older = [f"{r} (step {checkpoint_step(c[0])})" for r, c in older if c]
+            if older:
+                raise UserError(
+                    f"trainer.resume=auto is ambiguous: the newest run of {cfg.name}, {newest}, has no checkpoint "
+                    f"(it stopped before its first save, or is still running), but older runs have: "
+                    f"{', '.join(older[::-1])}. Continue one with trainer.output_dir=<run> trainer.resume=auto, "
+                    f"or start afresh without trainer.resume"
+                )
+        notes.append(f"polyrl: trainer.resume=auto: no run of {cfg.name} under {root} has a checkpoint; "
+                     "starting a new run")
+    return root / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), [], notes
 
 
-def resolve_on_main(engine: LocalEngine, cfg: DictConfig) -> tuple[Path, Path | None]:
+def resolve_on_main(engine: LocalEngine, cfg: DictConfig) -> tuple[Path, list[Path], list[str]]:
     """Rank 0 resolves the run directory (its clock names a new run) and every rank uses its answer or error."""
     answer = None
     if engine.is_main:
         try:
             answer = resolve_run_dir(cfg)
-        except (FileNotFoundError, FileExistsError) as e:
+        except (UserError, FileNotFoundError, FileExistsError) as e:
             answer = e
     answer = engine.broadcast_object(answer)
     if isinstance(answer, Exception):
         raise answer
     return answer
+
+
+def resume_command(overrides: list[str], run_dir: Path) -> str:
+    """The command that continues this run: the same overrides, pinned to its directory, trainer.resume=auto."""
+    keep = [o for o in overrides if not o.lstrip("+~").startswith(("trainer.resume=", "trainer.output_dir="))]
+    args = keep + [f"trainer.output_dir={run_dir}", "trainer.resume=auto"]
+    return "polyrl train " + " ".join(shlex.quote(a) for a in args)
 
 
 def set_determinism(deterministic: bool) -> None:
@@ -127,26 +174,105 @@ def reward_metrics(parts: list[tuple[int, dict]]) -> dict[str, float]:
     return out
 
 
+SNAPSHOT_MAX_PARAMS = 2**25  # trainable elements copied to the CPU before each update (see WeightSnapshot)
+
+
+class WeightSnapshot:
+    """The actor's trainable state before an update (weights, optimizer, EMA / old copy, update count) on the CPU:
+    a step that fails or is abandoned in the middle of its update is rolled back to it, so the last completed
+    step can still be saved. Taken only while the trainable weights have at most SNAPSHOT_MAX_PARAMS elements
+    (every LoRA we train; a full fine-tune of a large model is not copied every step)."""
+
+    def __init__(self, actor):
+        self.params = [p.detach().to("cpu", copy=True) for p in actor.params]
+        self.optimizer = _to_cpu(actor.optimizer.state_dict())
+        old = getattr(actor, "old_params", None)
+        self.old = None if old is None else [o.detach().to("cpu", copy=True) for o in old]
+        self.updates = actor.num_updates
+
+    @staticmethod
+    def fits(actor) -> bool:
+        return sum(p.numel() for p in actor.params) <= SNAPSHOT_MAX_PARAMS
+
+    @torch.no_grad()
+    def restore(self, actor) -> None:
+        for p, saved in zip(actor.params, self.params, strict=True):
+            p.copy_(saved)
+        actor.optimizer.load_state_dict(self.optimizer)
+        if self.old is not None:
+            for o, saved in zip(actor.old_params, self.old, strict=True):
+                o.copy_(saved)
+        actor.num_updates = self.updates
+
+
+def _to_cpu(obj):
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+class StopRequested(BaseException):
+    """Raised by the SIGINT / SIGTERM handler to abandon the work in progress (like KeyboardInterrupt, it is not an
+    Exception, so no library `except Exception` swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class RunStopped(UserError):
+    """The run stopped on a signal after saving its last completed step; `exit_code` is 128 + the signal."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
 class Trainer:
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: DictConfig, overrides: list[str] | None = None):
         self.cfg = cfg
+        self.overrides = list(overrides or [])  # for the resume command printed when a run stops
         t = cfg.trainer
+        if t.device == "cuda" and not torch.cuda.is_available():
+            raise UserError(f"trainer.device=cuda but torch {torch.__version__} sees no CUDA device "
+                            f"({'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}); "
+                            "use trainer.device=cpu (or auto)")
         self.engine = build_engine(t.device)
+        self.say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if self.engine.is_main else (lambda msg: None)
         if cfg.data.prompts_per_step % self.engine.world_size:
             raise ConfigError(f"data.prompts_per_step={cfg.data.prompts_per_step} must be divisible by the number of "
                               f"data-parallel ranks ({self.engine.world_size})")
-        self.run_dir, resume_from = resolve_on_main(self.engine, cfg)
+        self.run_dir, candidates, notes = resolve_on_main(self.engine, cfg)
+        for note in notes:
+            self.say(note)
         set_determinism(t.deterministic)
         torch.manual_seed(t.seed)
         self.device = self.engine.device
-        # Everything that can fail on a bad config or bad data fails here, before the model is loaded.
+        # Everything that can fail on a bad config, bad data or an absent service fails here, before the model loads.
         self.reward = build_reward(OmegaConf.to_container(cfg.reward))
+        if hasattr(self.reward, "preflight"):  # e.g. reward=http: the server answers /health
+            self.reward.preflight()
         self.reward_stage = RewardStage(self.reward, cfg.reward.name, overlap=bool(cfg.reward.get("async", False)))
         self.algo = build_algorithm(OmegaConf.to_container(cfg.algorithm))
         # Offline pairs (data.pairs_path) replace the prompts: each step trains on a batch of pairs, no rollout.
         self.pairs = load_pairs(cfg.data.pairs_path) if cfg.data.pairs_path else None
-        self.sampler = PromptSampler(self.pairs or load_prompts(cfg.data.path), t.seed, cfg.data.shuffle)
-        self.heldout = load_prompts(cfg.data.heldout_path) if cfg.data.heldout_path else None
+        # a model conditioned on images (model class attribute `condition_images`) refuses a row without one
+        needs_images = bool(getattr(MODELS.get(cfg.model.name), "condition_images", False))
+        try:
+            prompts = None if self.pairs else load_prompts(cfg.data.path, require_image=needs_images)
+            self.heldout = (load_prompts(cfg.data.heldout_path, require_image=needs_images)
+                            if cfg.data.heldout_path else None)
+        except MissingConditionImage as e:
+            raise ConfigError(f"{e}; model.name={cfg.model.name} needs a condition image in every row") from None
+        except ValueError as e:  # the data file's own problems, each message names the file (and line)
+            raise UserError(str(e)) from None
+        for path, rows in ((cfg.data.path, prompts), (cfg.data.heldout_path, self.heldout)):
+            self._check_rows(path, rows)
+        self.sampler = PromptSampler(self.pairs or prompts, t.seed, cfg.data.shuffle)
         self.plan = plan_from_config(cfg.rollout)
 
         self.adapter = build_model(cfg.model, self.device)
@@ -159,17 +285,50 @@ class Trainer:
             if cfg.model.fp8:
                 apply_fp8(network)  # after LoRA: only the frozen base layers are swapped
             compile_transformer(network, cfg.model.compile)  # after LoRA, so the graph includes it
+        self.step = 0
+        if candidates:
+            if t.resume == "auto":  # the newest usable checkpoint, saying which were skipped
+                loaded, state = load_newest(candidates, self.actor, self.sampler, self.say)
+            else:  # the one named: no fallback
+                loaded, state = candidates[0], load_checkpoint(candidates[0], self.actor, self.sampler)
+            self.step = state["step"]
+            self.say(f"polyrl: resuming run {self.run_dir} from {loaded.name} (step {self.step})"
+                     + (" instead" if loaded != candidates[0] else ""))
         self.logger = None
         if self.engine.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-            self.logger = MetricsLogger(self.run_dir, t.tensorboard)
-        self.step = 0
-        if resume_from is not None:
-            state = load_checkpoint(resume_from, self.actor, self.sampler)
-            self.step = state["step"]
-            if self.logger is not None:
-                self.logger.truncate_after(self.step)
+            self.logger = MetricsLogger(self.run_dir, self._loggers(), cfg.name,
+                                        OmegaConf.to_container(cfg, resolve=True), warn=self.say)
+            if candidates:
+                note = self.logger.truncate_after(self.step)
+                if note:
+                    self.say(f"polyrl: {note}")
+        self.saved_step = self.step if candidates else None  # the step of the newest checkpoint on disk
+        self._stop: int | None = None  # the signal that asked the run to stop
+        self._phase = "idle"  # step (nothing trained yet) | update | eval | save | idle
+        self._snapshot: WeightSnapshot | None = None
+        self._sampler_before: dict | None = None
+        self._pending: dict | None = None  # a completed step's metrics not yet logged
+        self._stop_note = ""
+        self._tiles: dict | None = None
+        self.bar = tqdm(disable=True)  # fit's progress bar
+
+    def _loggers(self) -> list[str]:
+        t = self.cfg.trainer
+        return [name for name in t.loggers if t.tensorboard or name != "tensorboard"]
+
+    def _check_rows(self, path, rows: list[dict] | None) -> None:
+        """Every data row is one the reward can score (rewards that can tell define `check_prompt`)."""
+        check = getattr(self.reward, "check_prompt", None)
+        if check is None or rows is None:
+            return
+        for i, row in enumerate(rows):
+            prompt, meta = split_row(row)
+            try:
+                check(prompt if isinstance(prompt, str) else prompt["text"], meta)
+            except ValueError as e:
+                raise UserError(f"{row_location(path, i)}: {e}") from None
 
     # ------------------------------------------------------------------------------------------- stages
     def score(self, batch: Rollout) -> None:
@@ -187,7 +346,7 @@ class Trainer:
         rows = self.local_rows(self.sampler.next(cfg.data.prompts_per_step))
         batch = pair_batch(self.adapter, rows, cfg.rollout.height, cfg.rollout.width)
         t1 = time.perf_counter()
-        stats = self.actor.update(self.algo, batch, step_generator(cfg.trainer.seed, step, stream=1))
+        stats = self._update(batch, step_generator(cfg.trainer.seed, step, stream=1))
         t2 = time.perf_counter()
         return {"step": step + 1, **stats, "lr": self.actor.optimizer.param_groups[0]["lr"],
                 "time/encode": t1 - t0, "time/train": t2 - t1, "time/step": t2 - t0}
@@ -229,7 +388,7 @@ class Trainer:
             advantages = compute_advantages(self.algo, rewards, group_ids)
             batch.advantages = advantages[mine]
             with timer("train"):
-                stats = self.actor.update(self.algo, batch, step_generator(cfg.trainer.seed, step, stream=1))
+                stats = self._update(batch, step_generator(cfg.trainer.seed, step, stream=1))
         timings = timer.times
         step_flops = float(engine.sum(torch.tensor(getattr(self.adapter, "flops", 0.0) - flops_before,
                                                    dtype=torch.float64, device=engine.device)))
@@ -250,78 +409,208 @@ class Trainer:
             **reward_metrics(engine.gather_objects((len(batch), batch.reward_extras))),
         }
 
+    def _update(self, batch: Rollout, generator: torch.Generator) -> dict:
+        """The actor's update, after a copy of what it changes (WeightSnapshot) where that copy is small."""
+        self._snapshot = WeightSnapshot(self.actor) if WeightSnapshot.fits(self.actor) else None
+        self._phase = "update"
+        return self.actor.update(self.algo, batch, generator)
+
     # ------------------------------------------------------------------------------------------- eval
     def evaluate(self, n: int | None = None) -> tuple[float, Rollout]:
         return evaluate(self.adapter, self.reward, self.cfg, self.heldout or self.sampler.rows, self.plan, n)
 
     def _eval_and_grid(self, metrics: dict) -> None:
-        """Held-out evaluation and the sample grid (rank 0; the other ranks wait at the next collective)."""
+        """Held-out evaluation and the sample grid (rank 0; the other ranks wait at the next collective). A stop
+        signal abandons it at once (the step it follows is complete)."""
         if not self.engine.is_main:
             return
+        self._phase = "eval"
+        self.bar.set_description_str(f"{self.cfg.name} (evaluating {self.cfg.trainer.eval_samples} held-out samples)")
+        self.bar.refresh()
         t0 = time.perf_counter()
-        mean, batch = self.evaluate()
+        try:
+            mean, batch = self.evaluate()
+            tiles, baselines = self._grid_tiles(batch)
+            save_samples(batch.select(torch.tensor(tiles)), self.run_dir / "samples" / f"step_{self.step:06d}",
+                         self.plan.shape.fps, baselines)
+            metrics["eval/reward_mean"] = mean
+            metrics["time/eval"] = time.perf_counter() - t0
+        except StopRequested:  # the step itself is complete: it is logged and saved, then every rank stops
+            self.say(f"polyrl: evaluation at step {self.step} abandoned")
+        finally:
+            self.bar.set_description_str(self.cfg.name)
+            self._phase = "idle"
+
+    def _grid_tiles(self, batch: Rollout) -> tuple[list[int], list[float] | None]:
+        """The grid's samples, chosen once per run from its first evaluation's rewards to span hard to easy prompts
+        (`pick_tiles`) and kept in samples/grid.json: every later grid, also after a resume, shows the same prompts
+        from the same noise, each captioned with its reward then and now."""
+        path = self.run_dir / "samples" / "grid.json"
         k = min(self.cfg.trainer.num_validation, len(batch))
-        save_samples(batch.select(torch.arange(k)), self.run_dir / "samples" / f"step_{self.step:06d}",
-                     self.plan.shape.fps)
-        metrics["eval/reward_mean"] = mean
-        metrics["time/eval"] = time.perf_counter() - t0
+        if self._tiles is None and path.is_file():
+            try:
+                self._tiles = json.loads(path.read_text())
+            except ValueError:
+                self._tiles = None
+        tiles = (self._tiles or {}).get("tiles", [])
+        if len(tiles) != k or any(not 0 <= i < len(batch) for i in tiles):
+            keys = [p if isinstance(p, str) else json.dumps(p, sort_keys=True, default=str) for p in batch.prompts]
+            tiles = pick_tiles(keys, batch.rewards, k)
+            self._tiles = {"step": self.step, "tiles": tiles, "rewards": [float(batch.rewards[i]) for i in tiles]}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self._tiles))
+        return tiles, (self._tiles["rewards"] if self._tiles["step"] != self.step else None)
 
     # ------------------------------------------------------------------------------------------- loop
-    def _stop_after_reward_failure(self, error: Exception, sampler_state: dict | None, unlogged: dict | None) -> str:
-        """Checkpoint the last completed step (a failed step is dropped: its prompts are drawn again on
-        resume) and return the stop message."""
-        if unlogged is not None and self.logger is not None:  # the step trained, then its evaluation failed
-            self.logger.log(unlogged)
-        if sampler_state is not None:
-            self.sampler.load_state_dict(sampler_state)
-        if self.step == 0:
-            return f"{error}\nno training step had completed: nothing to save"
-        ckpt = checkpoint_dir(self.run_dir, self.step)
-        if self.engine.is_main and not (ckpt / "trainer_state.pt").is_file():
-            save_checkpoint(ckpt, self.actor, self.sampler, self.step, {})
-        return f"{error}\nsaved checkpoint {ckpt} (step {self.step}); continue with trainer.resume={ckpt}"
-
     def fit(self) -> list[dict]:
-        t = self.cfg.trainer
-        main = self.engine.is_main
-        if self.step == 0 and t.eval_every > 0 and main:
-            m = {"step": 0}
-            self._eval_and_grid(m)
-            self.logger.log(m)
-        bar = tqdm(total=t.max_steps, initial=self.step, desc=self.cfg.name, disable=not (t.progress and main),
-                   dynamic_ncols=True)
-        sampler_state, unlogged = None, None  # for a stop on a reward-service failure (see below)
+        """Train to trainer.max_steps. SIGINT / SIGTERM stop the run (`_on_signal`); a signal or a failure saves the
+        last completed step first (`_recover`), then RunStopped (signals) or the failure is raised."""
+        t, main = self.cfg.trainer, self.engine.is_main
+        self.bar = tqdm(total=t.max_steps, initial=self.step, desc=self.cfg.name, disable=not (t.progress and main),
+                        dynamic_ncols=True)
         try:
-            while self.step < t.max_steps:
-                sampler_state = self.sampler.state_dict()  # the data position before this step
-                metrics = self.train_step()
-                self.step += 1
-                sampler_state, unlogged = None, metrics
-                last = self.step == t.max_steps
-                if t.eval_every > 0 and (self.step % t.eval_every == 0 or last):
-                    self._eval_and_grid(metrics)
-                if main:
-                    self.logger.log(metrics)
-                unlogged = None
-                if t.save_every > 0 and (self.step % t.save_every == 0 or last):
-                    if main:
-                        save_checkpoint(checkpoint_dir(self.run_dir, self.step), self.actor, self.sampler, self.step, {})
-                    self.engine.barrier()  # a checkpoint is complete before any rank moves on
-                post = {"reward": f"{metrics['reward/mean']:.3f}"} if "reward/mean" in metrics else {}
-                if "eval/reward_mean" in metrics:
-                    post["heldout"] = f"{metrics['eval/reward_mean']:.3f}"
-                bar.set_postfix(post)
-                bar.update(1)
-        except RewardUnavailable as e:
-            raise RewardUnavailable(self._stop_after_reward_failure(e, sampler_state, unlogged)) from e
+            with self._signal_handlers():
+                try:
+                    if self.step == 0 and t.eval_every > 0 and main:
+                        m = {"step": 0}
+                        self._eval_and_grid(m)
+                        self.logger.log(m)
+                    while self.step < t.max_steps and not self._stop_agreed():
+                        self._one_step()
+                except StopRequested as e:
+                    self._stop = self._stop or e.signum
+                    self._stop_note = self._recover(collective=False)
+                except BaseException as e:
+                    raise self._failed(e) from e
+                else:
+                    if self._stop is not None:
+                        self._stop_note = self._recover(collective=True)
+            if self._stop is not None:
+                name = signal.Signals(self._stop).name
+                raise RunStopped(f"stopped by {name} at step {self.step} of {t.max_steps}; {self._stop_note}"
+                                 + (f"\nresume with: {resume_command(self.overrides, self.run_dir)}"
+                                    if self.step > 0 else ""), self._stop)
         finally:
-            bar.close()
-            history = []
-            if self.logger is not None:
-                history = self.logger.history()
-                if history:
-                    plot_reward_curve(history, self.run_dir / "reward_curve.png")
-                self.logger.close()
+            self.bar.close()
+            history = self._finish_logs()
+        return history
+
+    def _one_step(self) -> None:
+        t = self.cfg.trainer
+        self._sampler_before = self.sampler.state_dict()  # the data position before this step
+        self._phase = "step"
+        metrics = self.train_step()
+        self.step += 1
+        self._phase, self._snapshot, self._pending = "idle", None, metrics
+        last = self.step == t.max_steps
+        if t.eval_every > 0 and (self.step % t.eval_every == 0 or last):
+            self._eval_and_grid(metrics)
+        if self.engine.is_main:
+            self.logger.log(metrics)
+        self._pending = None
+        if t.save_every > 0 and (self.step % t.save_every == 0 or last):
+            self._save(collective=True)
+        post = {"reward": f"{metrics['reward/mean']:.3f}"} if "reward/mean" in metrics else {}
+        if "eval/reward_mean" in metrics:
+            post["heldout"] = f"{metrics['eval/reward_mean']:.3f}"
+        self.bar.set_postfix(post)
+        self.bar.update(1)
+
+    def _save(self, collective: bool) -> Path:
+        """Checkpoint the current step (rank 0 writes; with `collective`, every rank waits until it is complete)."""
+        ckpt = checkpoint_dir(self.run_dir, self.step)
+        if self.saved_step != self.step:
+            self._phase = "save"
+            if self.engine.is_main:
+                save_checkpoint(ckpt, self.actor, self.sampler, self.step, {})
+            if collective:
+                self.engine.barrier()
+            self.saved_step, self._phase = self.step, "idle"
+        return ckpt
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop: one small sum over ranks per step, so that every rank stops after
+        the same step (a signal may reach one rank only, or reach them at different points of a step)."""
+        if self.engine.world_size == 1:
+            return self._stop is not None
+        asked = self.engine.sum(torch.tensor([0 if self._stop is None else self._stop], device=self.engine.device))
+        if int(asked) and self._stop is None:
+            self._stop = int(signal.SIGTERM)  # another rank's signal
+        return bool(int(asked))
+
+    @contextmanager
+    def _signal_handlers(self):
+        if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+            yield
+            return
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        """First signal: abandon what can be redone (a rollout before any weight changed, one process; an
+        evaluation), else finish the step's update and stop after it. A second signal stops at once (an update
+        in progress is rolled back from its snapshot)."""
+        first = self._stop is None
+        self._stop = self._stop or signum
+        if not first or self._phase == "eval" or (self._phase == "step" and self.engine.world_size == 1):
+            # an abandoned evaluation is caught in `_eval_and_grid`; the stop then happens at the step's end
+            raise StopRequested(signum)
+        self.say(f"\npolyrl: {signal.Signals(signum).name}: stopping after this step (send it again to stop at once)")
+
+    def _recover(self, collective: bool) -> str:
+        """After a stop or a failure: undo the unfinished step (its prompts are drawn again on resume; an update in
+        progress is rolled back), log a completed step whose evaluation was cut short, and save the last completed
+        step. Returns what was done, for the message."""
+        phase, self._phase = self._phase, "idle"
+        if self._pending is not None and self.logger is not None:
+            self.logger.log(self._pending)
+            self._pending = None
+        if phase in ("step", "update"):
+            self.sampler.load_state_dict(self._sampler_before)
+            if phase == "update":
+                if self._snapshot is None:
+                    last = checkpoint_dir(self.run_dir, self.saved_step) if self.saved_step else None
+                    return (f"the weights were in the middle of an update and too large to keep a copy of (over "
+                            f"{SNAPSHOT_MAX_PARAMS} trainable elements), so step {self.step} could not be saved; the "
+                            f"last checkpoint is {last or 'none'}")
+                self._snapshot.restore(self.actor)
+        if self.step == 0:
+            return "no training step had completed: nothing to save"
+        try:
+            ckpt = self._save(collective)
+        except CheckpointError as e:
+            return f"step {self.step} could not be saved: {e}"
+        return f"saved checkpoint {ckpt} (step {self.step}); continue with trainer.resume={ckpt}"
+
+    def _failed(self, error: BaseException) -> BaseException:
+        """The exception to raise for a failure that stopped the run, after saving the last completed step: a
+        reward service that gave up, or a non-finite gradient, is re-raised with the save note (the CLI prints it
+        as one line); anything else keeps its type and traceback, the note printed first."""
+        note = self._recover(collective=False)
+        hint = f"\nresume with: {resume_command(self.overrides, self.run_dir)}" if self.step > 0 else ""
+        if isinstance(error, (RewardUnavailable, FloatingPointError)):
+            return type(error)(f"{error}\n{note}{hint}")
+        if isinstance(error, Exception):
+            self.say(f"polyrl: the run failed in step {self.step + 1} ({type(error).__name__}); {note}{hint}")
+        return error
+
+    def _finish_logs(self) -> list[dict]:
+        """The reward curve and closing the loggers; a failure here is reported, never raised over the run's own
+        outcome."""
+        if self.logger is None:
+            return []
+        history = []
+        try:
+            history = self.logger.history()
+            if history:
+                plot_reward_curve(history, self.run_dir / "reward_curve.png")
+        except Exception as e:
+            self.say(f"polyrl: warning: could not write {self.run_dir / 'reward_curve.png'} ({type(e).__name__}: {e})")
+        self.logger.close()
         return history
 
     def close(self) -> None:
