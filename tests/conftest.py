@@ -40,3 +40,25 @@ def tiny_wan_dir(tmp_path_factory):
     words = sorted({w for p in SHAPE_PROMPTS for w in p.split()})
     path = tmp_path_factory.mktemp("tiny_wan")
     return save_tiny_wan(TinyWanSpec(words=words, layout="wan2.1"), path)
+
+
+EDIT_PROMPTS = ["make the circle red", "turn the square blue", "add a green triangle"]
+
+
+@pytest.fixture(scope="session")
+def edit_data_dir(tmp_path_factory):
+    """Source images for edit tests (random RGB PNGs of different aspect ratios, height×width 40×48, 80×32, 32×32,
+    under images/) and an edit-region mask (masks/square.png: white = the region the edit may change, a 12×16 block)."""
+    import numpy as np
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("edit_data")
+    (root / "images").mkdir()
+    (root / "masks").mkdir()
+    rng = np.random.default_rng(0)
+    for name, (h, w) in {"a.png": (40, 48), "b.png": (80, 32), "c.png": (32, 32)}.items():
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "images" / name)
+    mask = np.zeros((32, 32), dtype=np.uint8)
+    mask[8:20, 4:20] = 255
+    Image.fromarray(mask).save(root / "masks" / "square.png")
+    return root

@@ -199,7 +199,7 @@ def test_image_size_must_tile_the_patches(adapter):
 
 # ----------------------------------------------------------------------------------------------- bench build
 def test_bench_spec_is_the_published_size():
-    """BENCHMARK.md: 60 layers, 24 heads × 128, 20.4 B transformer parameters (built on the meta device through the
+    """docs/benchmark.md: 60 layers, 24 heads × 128, 20.4 B transformer parameters (built on the meta device through the
     same builder that saves the tiny pipeline above)."""
     pipe = build_tiny_qwen_image(qwen_image_bench_spec(["a"]), device="meta", dtype=torch.bfloat16)
     t = pipe.transformer
@@ -237,7 +237,7 @@ def test_two_steps_on_tiny_qwen_image_through_the_cli(tiny_qwen_dir, shape_promp
 
 # ----------------------------------------------------------------------------------------------- FLOPs
 def test_flops_match_the_executed_ops_of_the_transformer(monkeypatch):
-    """ALGORITHMS.md §6 count vs what the model runs: 2·(output elements)·(fan-in) for every Linear call (per-sample
+    """docs/algorithms.md §6 count vs what the model runs: 2·(output elements)·(fan-in) for every Linear call (per-sample
     modulation linears run on (B, d), so they count once per sample) and 4·B·S²·(H·D) for every joint attention."""
     from diffusers import QwenImageTransformer2DModel
     from diffusers.models.transformers import transformer_qwenimage
@@ -288,12 +288,12 @@ def test_full_size_forward_flops_by_hand():
     blocks = 60 * (2 * (n + t) * 12 * d * d + 4 * (n + t) ** 2 * d + 2 * 12 * d * d)
     io = 2 * n * 64 * d + 2 * t * 3584 * d + 2 * n * d * 64 + 2 * (256 * d + d * d) + 2 * (2 * d * d)
     assert qwen_image_forward_flops(c, n, t) == blocks + io
-    # ≈ 16.2 TFLOP per sample forward: BENCHMARK.md's 327 ms for batch 8 at 49% of 802 TFLOP/s is 16.1 TFLOP/sample
+    # ≈ 16.2 TFLOP per sample forward: docs/benchmark.md's 327 ms for batch 8 at 49% of 802 TFLOP/s is 16.1 TFLOP/sample
     assert qwen_image_forward_flops(c, n, t) / 1e12 == pytest.approx(16.2, abs=0.1)
 
 
 def test_recipe_is_the_verl_omni_qwen_image_workload():
-    """BENCHMARK.md second workload: 512², 10 steps, SDE window 2, true CFG 4, LoRA r64, 16 images per prompt."""
+    """docs/benchmark.md second workload: 512², 10 steps, SDE window 2, true CFG 4, LoRA r64, 16 images per prompt."""
     from polyrl.config import load_config
 
     cfg = load_config(["recipe=qwen_image_flowgrpo", "model.path=/x", "data.path=/y.txt", "data.prompts_per_step=8"])

@@ -51,7 +51,7 @@ class Guidance:
 class DiffusionPolicy(Protocol):
     device: torch.device
     default_lora_targets: list[str]
-    flops: float  # model FLOPs executed so far (ALGORITHMS.md §6); the trainer reads the difference per step
+    flops: float  # model FLOPs executed so far (docs/algorithms.md §6); the trainer reads the difference per step
 
     def modules(self) -> dict[str, torch.nn.Module]:
         """The trainable networks by name (the live mapping: the actor may swap an entry for another policy)."""

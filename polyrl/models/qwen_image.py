@@ -3,7 +3,7 @@
 The transformer works on *packed* latents: the VAE latent (C, h, w) is cut into 2×2 patches, giving h/2·w/2
 tokens of 4C features. The sampler and the stored trajectories use the *unpacked* (B, C, h, w) latents like
 every other adapter; packing happens inside `velocity`. The transformer's output, unpacked, is the flow velocity
-v ≈ ε − x0 that FlowMatchEuler integrates as x_{σ'} = x + (σ' − σ)·v (polyrl's convention, ALGORITHMS.md).
+v ≈ ε − x0 that FlowMatchEuler integrates as x_{σ'} = x + (σ' − σ)·v (polyrl's convention, docs/algorithms.md §1).
 
 Facts taken from diffusers' `QwenImagePipeline` (0.42.1), which this adapter reproduces:
 - Text: the prompt is wrapped in a chat template and encoded by Qwen2.5-VL; the last hidden state of the valid
@@ -46,7 +46,7 @@ QWEN_IMAGE_LORA_TARGETS = [
 # ----------------------------------------------------------------------------------------------- pure math
 def qwen_image_forward_flops(config, image_tokens: int, text_tokens: int) -> float:
     """Qwen-Image dual-stream MM-DiT (`QwenImageTransformer2DModel`), one sample with `image_tokens` packed 2×2
-    patches and `text_tokens` (padded) text tokens (ALGORITHMS.md §6).
+    patches and `text_tokens` (padded) text tokens (docs/algorithms.md §6).
 
     Per block, each stream has its own q/k/v/out (4d²) and GELU MLP (d → 4d → d, 8d²) applied to its own tokens,
     and the joint attention runs over N+T tokens; the per-sample modulation linears are img_mod and txt_mod
@@ -83,7 +83,7 @@ def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tenso
 
 
 def true_cfg(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float, dim: int = -1) -> torch.Tensor:
-    """Qwen-Image's true CFG (ALGORITHMS.md §1, CFG): comb = v_u + s·(v_c − v_u), rescaled so that every token's
+    """Qwen-Image's true CFG (docs/algorithms.md §1, CFG): comb = v_u + s·(v_c − v_u), rescaled so that every token's
     norm over `dim` equals v_c's: comb·‖v_c‖/‖comb‖ (on packed latents `dim` is the 4C patch features)."""
     comb = v_uncond + scale * (v_cond - v_uncond)
     cond_norm = torch.linalg.vector_norm(v_cond, dim=dim, keepdim=True)
