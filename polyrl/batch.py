@@ -71,7 +71,7 @@ class Rollout:
     rewards: torch.Tensor | None = None  # (B,)
     reward_extras: dict = field(default_factory=dict)
     advantages: torch.Tensor | None = None  # (B,)
-    # Rollout correction (ALGORITHMS.md §4). `old_means` is filled by the rollout (the transition means it
+    # Rollout correction (docs/algorithms.md §4). `old_means` is filled by the rollout (the transition means it
     # sampled from) and replaced by the actor's old-policy recompute when rollout_correction.mode != bypass;
     # `old_log_probs` is what the loss uses as log p_old (bypass: the rollout's `log_probs`).
     old_means: Latents | None = None  # each (B, W, ...) float32

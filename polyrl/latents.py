@@ -3,7 +3,7 @@
 A model's latent state is a `Latents` dict: `{"x": (B, C, h, w)}` for an image model, `{"x": (B, C, F, h, w)}` for
 a video model, `{"video": (B, N, C), "audio": (B, L, C)}` for a joint audio-video model. Step math runs per entry
 with the same σ and transition std for every entry, and one sample's log-density is the mean over *all* its
-elements (one joint log-prob, ALGORITHMS.md §1), so an image model with one entry computes exactly what a single
+elements (one joint log-prob, docs/algorithms.md §1), so an image model with one entry computes exactly what a single
 tensor did.
 
 `MediaShape` says what a rollout generates (height, width, and for video the frames, for audio the seconds); the

@@ -1,4 +1,4 @@
-"""Transformer-only timings of the BENCHMARK.md shape on a GPU: forward (no grad) and LoRA training passes,
+"""Transformer-only timings of the docs/benchmark.md shape on a GPU: forward (no grad) and LoRA training passes,
 eager vs compiled, per attention backend and batch. Prints one line per variant: ms, model TFLOP/s, MFU.
 
     python scripts/gpu_microbench.py PIPELINE_DIR|random [--peak TFLOPS] [--variants eager,blocks,blocks-fp8,...]

@@ -6,7 +6,7 @@ Per pass it prints: wall time (CUDA events) against the sum of kernel times (the
 i.e. launch-bound gaps), the kernel time shares by kind (matmul, attention, fused elementwise, copies, other)
 with the largest kernels, and the same pass with the LoRA adapters disabled (the LoRA cost; for training the
 LoRA-free pass still back-propagates to the input, like the frozen base does under LoRA). The FLOP shares of
-ALGORITHMS.md §6 say linear layers are ~86% of the work; this says how much of the *time* they are
+docs/algorithms.md §6 say linear layers are ~86% of the work; this says how much of the *time* they are
 (docs/performance.md, prediction 6), which decides the next lever.
 """
 

@@ -1,4 +1,4 @@
-"""SD3.5 VAE decode timings at the BENCHMARK.md shape (16 latents of 16×64×64 → 512² images), per variant:
+"""SD3.5 VAE decode timings at the docs/benchmark.md shape (16 latents of 16×64×64 → 512² images), per variant:
 weights float32 or bf16, NCHW or channels_last, eager or torch.compile'd decoder. Prints ms per call, the
 decoder's conv TFLOP/s, and the largest pixel difference from the float32 NCHW decode.
 

@@ -1,4 +1,4 @@
-"""Tests of group advantages (polyrl/algorithms/advantage.py, ALGORITHMS.md §2) against per-group numpy loops."""
+"""Tests of group advantages (polyrl/algorithms/advantage.py, docs/algorithms.md §2) against per-group numpy loops."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The diffusion losses of ALGORITHMS.md §3–4 against independent float64 references (numpy/scipy loops written
+"""The diffusion losses of docs/algorithms.md §3–4 against independent float64 references (numpy/scipy loops written
 from the formulas), on hand-made and random inputs, gradients included."""
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def test_sd3_flops_match_executed_ops(dual):
 
 
 def test_sd35_medium_forward_is_2_23_tflop():
-    """BENCHMARK.md: 2.23 TFLOP per forward per sample at 512² (1024 image tokens) + 205 text tokens."""
+    """docs/benchmark.md: 2.23 TFLOP per forward per sample at 512² (1024 image tokens) + 205 text tokens."""
     from types import SimpleNamespace
 
     c = SimpleNamespace(num_attention_heads=24, attention_head_dim=64, num_layers=24, dual_attention_layers=range(13),

@@ -1,4 +1,4 @@
-"""Tests of the Flow-GRPO loss pieces (polyrl/algorithms/flow_grpo.py, ALGORITHMS.md §3) on hand-computed cases."""
+"""Tests of the Flow-GRPO loss pieces (polyrl/algorithms/flow_grpo.py, docs/algorithms.md §3) on hand-computed cases."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""flow_grpo's conventions, selectable by config (ALGORITHMS.md §3 "Conventions that change training"), each against
+"""flow_grpo's conventions, selectable by config (docs/algorithms.md §3 "Conventions that change training"), each against
 an independent float64 computation written the way flow_grpo writes it:
 (a) `algorithm.kl_form=flow_grpo`: the KL divided by 2·std_dev_t² with the sde std *without* √(−dt);
 (b) `rollout.log_density=squared_distance`: a step scored with −mean_d (x' − μ)²;

@@ -1,4 +1,4 @@
-"""Tests of the Flow-GRPO SDE step (polyrl/sampling/steps.py) against ALGORITHMS.md §1.
+"""Tests of the Flow-GRPO SDE step (polyrl/sampling/steps.py) against docs/algorithms.md §1.
 
 Every expected value comes from a float64 per-sample numpy/scipy reference written from the formulas, never from
 the implementation.

@@ -1,4 +1,4 @@
-"""Tests of the `cps` and `dance` reverse steps (polyrl/sampling/steps.py, ALGORITHMS.md §1).
+"""Tests of the `cps` and `dance` reverse steps (polyrl/sampling/steps.py, docs/algorithms.md §1).
 
 References are per-sample float64 numpy/scipy loops written from the formulas (x̂0/ε̂ form for cps, the
 drift-plus-score form for dance), never from the implementation.

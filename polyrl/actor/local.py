@@ -6,7 +6,7 @@ policy: `current`, `reference` (LoRA disabled / frozen initial copy), `old` (an 
 swapped in and out) and `teacher` (a frozen network loaded from `algorithm.teacher_path`). What exists is decided
 by the algorithm's declarations (needs_reference, needs_old, teacher_path) and `actor.ema_decay`.
 
-Rollout correction (ALGORITHMS.md §4) happens here too, before the first optimizer step of an update: `bypass`
+Rollout correction (docs/algorithms.md §4) happens here too, before the first optimizer step of an update: `bypass`
 uses the rollout's log-probs and means as the old policy's; `recompute` and `decoupled` run an old-policy forward
 (timed as `time/old_logprob`), and `decoupled` adds truncated importance weights × a rejection mask, which reach
 every loss as `StepOut.weight`.

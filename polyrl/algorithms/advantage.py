@@ -1,4 +1,4 @@
-"""Group advantages for the GRPO family (ALGORITHMS.md §2)."""
+"""Group advantages for the GRPO family (docs/algorithms.md §2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Diffusion-DPO (ALGORITHMS.md §3, Wallace et al. 2023): preference pairs, shared noise and timestep.
+"""Diffusion-DPO (docs/algorithms.md §3, Wallace et al. 2023): preference pairs, shared noise and timestep.
 
 Online: the best and the worst sample of each group form a pair (groups whose rewards are all equal give none).
 Offline: pairs from a dataset (`polyrl/data/pairs.py`), encoded into `final` / `extras["pair_final"]` latents; the

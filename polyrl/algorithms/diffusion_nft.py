@@ -1,4 +1,4 @@
-"""DiffusionNFT (ALGORITHMS.md §3): likelihood-free, forward-process loss between v⁺ and v⁻ around the old policy.
+"""DiffusionNFT (docs/algorithms.md §3): likelihood-free, forward-process loss between v⁺ and v⁻ around the old policy.
 
 The rollout runs under the `old` policy (an EMA copy of the trainable weights the actor keeps) with any solver
 (an ODE rollout, noise_level 0, and guidance 1 are allowed); the loss only needs the clean latent and the reward.

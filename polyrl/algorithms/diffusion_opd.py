@@ -1,4 +1,4 @@
-"""DiffusionOPD (ALGORITHMS.md §3 on-policy distillation): a frozen teacher replays the student's window states."""
+"""DiffusionOPD (docs/algorithms.md §3 on-policy distillation): a frozen teacher replays the student's window states."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Flow-DPPO (ALGORITHMS.md §3): drop sample-steps that already moved too far from the old policy, no clip."""
+"""Flow-DPPO (docs/algorithms.md §3): drop sample-steps that already moved too far from the old policy, no clip."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Flow-GRPO and its config variants (ALGORITHMS.md §3): PPO-clip on the per-step log-ratio, optional KL.
+"""Flow-GRPO and its config variants (docs/algorithms.md §3): PPO-clip on the per-step log-ratio, optional KL.
 
 `dance_grpo` (DanceGRPO: the `dance` step, group std, shared initial noise per prompt) and `mix_grpo`
 (MixGRPO: mixed ODE/SDE sampling with the `random` / `progressive` window strategies) are the same loss; their

@@ -1,4 +1,4 @@
-"""GRPO-Guard (ALGORITHMS.md §3): a bias-corrected, step-normalised log-ratio in the PPO clip, 1/(−dt) weights."""
+"""GRPO-Guard (docs/algorithms.md §3): a bias-corrected, step-normalised log-ratio in the PPO clip, 1/(−dt) weights."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ SD3_LORA_TARGETS = [
 
 def sd3_forward_flops(config, image_tokens: int, text_tokens: int) -> float:
     """SD3 / SD3.5 MM-DiT (`SD3Transformer2DModel`), one sample with `image_tokens` patches and `text_tokens`
-    (ALGORITHMS.md §6: a matmul is 2·tokens·in·out, joint attention 4·S²·d, per-sample layers once).
+    (docs/algorithms.md §6: a matmul is 2·tokens·in·out, joint attention 4·S²·d, per-sample layers once).
 
     Per joint block: image stream q/k/v/out (4d²) + MLP (8d²) per image token, text stream the same per text
     token (the last block is context-pre-only: text q/k/v only), joint attention over N+T tokens; SD3.5's dual

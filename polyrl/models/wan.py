@@ -48,7 +48,7 @@ WAN_LORA_TARGETS = [
 # ----------------------------------------------------------------------------------------------- pure math
 def wan_forward_flops(config, video_tokens: int, text_tokens: int, per_token_timesteps: bool = False) -> float:
     """Wan DiT (`WanTransformer3DModel`), one sample with `video_tokens` patches (F_lat·h/p·w/p) and
-    `text_tokens` (padded) text tokens (ALGORITHMS.md §6: a matmul is 2·tokens·in·out, attention 4·Sq·Sk·d).
+    `text_tokens` (padded) text tokens (docs/algorithms.md §6: a matmul is 2·tokens·in·out, attention 4·Sq·Sk·d).
 
     Per block: self-attention q/k/v/out over the video tokens (8·N·d²) + 4·N²·d; cross-attention q and out on the
     video tokens (4·N·d²), k and v on the text tokens (4·T·d²) + 4·N·T·d; FFN d → ffn_dim → d (4·N·d·ffn_dim). The

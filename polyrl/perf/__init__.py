@@ -1,1 +1,1 @@
-"""Performance tooling: analytic FLOP counts (ALGORITHMS.md §6), stage timers and `polyrl bench`."""
+"""Performance tooling: analytic FLOP counts (docs/algorithms.md §6), stage timers and `polyrl bench`."""

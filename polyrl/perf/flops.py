@@ -1,4 +1,4 @@
-"""Analytic model FLOPs (ALGORITHMS.md §6). Each model file counts its own forward (`sd3_forward_flops` in
+"""Analytic model FLOPs (docs/algorithms.md §6). Each model file counts its own forward (`sd3_forward_flops` in
 models/sd3.py, ...); this module holds what is model-independent.
 
 Convention: a matmul with a (tokens × in) input and an (in × out) weight is 2·tokens·in·out; joint self-attention

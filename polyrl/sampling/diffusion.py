@@ -1,4 +1,4 @@
-"""The rollout stage of a diffusion policy: sample trajectories with log-probs (ALGORITHMS.md §1), decode each
+"""The rollout stage of a diffusion policy: sample trajectories with log-probs (docs/algorithms.md §1), decode each
 chunk as soon as it is sampled, and hand the decoded media to the reward stage through a sink (a queue).
 
 All randomness of a rollout is drawn up front by `draw_noise` from a `torch.Generator` the caller seeds per

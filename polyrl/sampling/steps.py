@@ -1,4 +1,4 @@
-"""Reverse steps of a flow-matching sampler with a Gaussian transition density (ALGORITHMS.md §1).
+"""Reverse steps of a flow-matching sampler with a Gaussian transition density (docs/algorithms.md §1).
 
 Three steps share one signature (`STEPS`, picked by `rollout.step`; the actor re-scores with the same one):
 
@@ -137,7 +137,7 @@ STEPS = {"sde": sde_step, "cps": cps_step, "dance": dance_step}
 
 
 def squared_distance_log_prob(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-    """−mean_d (x − μ)² per sample: the score flow_grpo and verl-omni give `cps` steps (ALGORITHMS.md §3, convention
+    """−mean_d (x − μ)² per sample: the score flow_grpo and verl-omni give `cps` steps (docs/algorithms.md §3, convention
     (b)). It is the Gaussian log-density × 2s² up to a constant, so its log-ratios are 2s² times the Gaussian ones
     and a clip range means something else (0.7 … 12,500× on the SD3 10-step grid)."""
     return -((x - mean) ** 2).flatten(1).mean(1)
