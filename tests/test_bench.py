@@ -34,6 +34,11 @@ def test_bench_tiny_reports_every_stage_and_the_analytic_flops(tmp_path):
     # width). A wrong old log-prob, or an optimizer step before the first mini-batch, gives >= 1e-4.
     assert s["ratio_absdev_first_minibatch"] < 1e-6
     assert all(math.isfinite(m["reward/mean"]) for m in result["history"])
+    # the warm-up epoch is reported, not hidden: step 1's own wall time, plus the setup before it
+    first = next(m for m in result["history"] if m["step"] == 1)
+    assert s["first_epoch_s"] == first["time/step"] and s["setup_s"] > 0
+    assert s["time_to_first_step_s"] == pytest.approx(s["setup_s"] + s["first_epoch_s"])
+    assert "first epoch s" in (out / "bench.md").read_text()
 
 
 def test_regional_compile_finds_the_transformer_blocks():

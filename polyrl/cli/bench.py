@@ -125,12 +125,23 @@ def summarize(history: list[dict], warmup: int, images_per_epoch: int, frames_pe
     return out
 
 
+def first_epoch(history: list[dict], setup_s: float) -> dict:
+    """The cost of starting: `first_epoch_s` is step 1's wall time (compile warm-up included, as a fresh machine
+    pays it) and `time_to_first_step_s` adds the setup before it (loading weights, building the optimizer)."""
+    first = next((m for m in history if m.get("step") == 1 and "time/step" in m), None)
+    if first is None:
+        return {}
+    return {"first_epoch_s": first["time/step"], "setup_s": setup_s, "time_to_first_step_s": setup_s + first["time/step"]}
+
+
 def table(result: dict) -> str:
     s = result["summary"]
     rows = [("images/s" if "frames_per_s" not in s else "videos/s", f"{s['images_per_s']:.3f}")]
     if "frames_per_s" in s:
         rows.append(("frames/s", f"{s['frames_per_s']:.3f}"))
     rows.append(("s/epoch", f"{s['seconds_per_epoch']:.2f}"))
+    if "first_epoch_s" in s:
+        rows.append(("first epoch s (warm-up)", f"{s['first_epoch_s']:.2f} (+{s['setup_s']:.2f} setup)"))
     rows += [(f"  {k} s", f"{v:.2f}") for k, v in s["stages_s"].items()]
     rows += [("model TFLOP/epoch", f"{s['model_tflop_per_epoch']:.4g}"),
              ("achieved TFLOP/s", f"{s['achieved_tflop_per_s']:.4g}")]
@@ -196,7 +207,9 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
     cfg = load_config(base + list(overrides))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    t_setup = time.perf_counter()
     trainer = Trainer(cfg)
+    setup_s = time.perf_counter() - t_setup
     try:
         history = trainer.fit()
     finally:
@@ -209,7 +222,8 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
         "versions": stack, "overrides": list(overrides), "build_pipeline_s": build_s,
         "precision": f"transformer {cfg.model.dtype} (autocast), trainable master weights float32, step math float32, "
                      f"VAE weights float32 (decode autocast to the network dtype), compile={cfg.model.compile}",
-        "peak_tflops": cfg.trainer.peak_tflops, "summary": summarize(history, warmup, images, cfg.rollout.num_frames),
+        "peak_tflops": cfg.trainer.peak_tflops,
+        "summary": {**summarize(history, warmup, images, cfg.rollout.num_frames), **first_epoch(history, setup_s)},
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "history": history,
     }
