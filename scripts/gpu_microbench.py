@@ -1,5 +1,5 @@
 """Transformer-only timings of the docs/benchmark.md shape on a GPU: forward (no grad) and LoRA training passes,
-eager vs compiled, per attention backend and batch. Prints one line per variant: ms, model TFLOP/s, MFU.
+eager vs compiled, per attention backend and processor (`-jattn`: polyrl's JointAttention), and batch. Prints one line per variant: ms, model TFLOP/s, MFU.
 
     python scripts/gpu_microbench.py PIPELINE_DIR|random [--peak TFLOPS] [--variants eager,blocks,blocks-fp8,...]
 """
@@ -15,7 +15,7 @@ import torch
 from diffusers import SD3Transformer2DModel
 
 from polyrl.actor.local import add_lora
-from polyrl.models.sd3 import SD3_LORA_TARGETS, sd3_forward_flops
+from polyrl.models.sd3 import SD3_LORA_TARGETS, sd3_forward_flops, use_joint_attention
 from polyrl.perf.compile import compile_transformer
 from polyrl.perf.fp8 import apply_fp8
 
@@ -59,6 +59,8 @@ def run_variant(pipeline: str, variant: str, peak: float) -> None:
             model = SD3Transformer2DModel(**SD35M_TRANSFORMER).to(torch.bfloat16)
     else:
         model = SD3Transformer2DModel.from_pretrained(pipeline, subfolder="transformer", torch_dtype=torch.bfloat16).to(dev)
+    if "jattn" in variant:  # polyrl's copy-free joint attention (the adapter's default) instead of diffusers'
+        use_joint_attention(model)
     add_lora(model, 32, 64, SD3_LORA_TARGETS)
     if "fp8" in variant:
         apply_fp8(model)

@@ -77,6 +77,54 @@ def encode_sd3_prompts(text_encoders, tokenizers, prompts: list[str], transforme
     return {"prompt_embeds": embeds, "pooled": pooled}
 
 
+class JointAttention:
+    """SD3's joint attention (diffusers' `JointAttnProcessor2_0`, same math) without its layout copies.
+
+    diffusers moves q, k, v of the image and the text tokens to (B, H, S, D) and concatenates them there, so each
+    of q, k, v is copied into a new (B, H, S, D) tensor. Here the projections stay (B, S, H, D) views, the
+    concatenation along the sequence is the one copy, and attention reads the transposed views: flash / cuDNN
+    attention take (B, S, H, D) strides natively and write their output in that order, so the reshape back to
+    (B, S, H·D) is a view too. The q/k RMS norms act on the last dimension, so the layout does not change them.
+    """
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        def heads(x: torch.Tensor) -> torch.Tensor:  # (B, S, H·D) -> (B, S, H, D), a view
+            return x.unflatten(-1, (attn.heads, -1))
+
+        image_tokens = hidden_states.shape[1]
+        q, k, v = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(attn.to_v(hidden_states))
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        if encoder_hidden_states is not None:
+            cq = heads(attn.add_q_proj(encoder_hidden_states))
+            ck = heads(attn.add_k_proj(encoder_hidden_states))
+            cv = heads(attn.add_v_proj(encoder_hidden_states))
+            if attn.norm_added_q is not None:
+                cq = attn.norm_added_q(cq)
+            if attn.norm_added_k is not None:
+                ck = attn.norm_added_k(ck)
+            q, k, v = torch.cat([q, cq], dim=1), torch.cat([k, ck], dim=1), torch.cat([v, cv], dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = out.transpose(1, 2).flatten(2).to(q.dtype)
+        if encoder_hidden_states is None:
+            return attn.to_out[1](attn.to_out[0](out))
+        image, text = out[:, :image_tokens], out[:, image_tokens:]
+        if not attn.context_pre_only:
+            text = attn.to_add_out(text)
+        return attn.to_out[1](attn.to_out[0](image)), text
+
+
+def use_joint_attention(transformer: torch.nn.Module) -> None:
+    """Swap diffusers' joint attention processors for `JointAttention` (same math, fewer copies); others stay."""
+    from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+    processors = transformer.attn_processors
+    transformer.set_attn_processor({name: JointAttention() if type(p) is JointAttnProcessor2_0 else p
+                                    for name, p in processors.items()})
+
+
 @register_model("sd3")
 class SD3Policy(DiffusersPolicy):
     default_lora_targets = SD3_LORA_TARGETS
@@ -85,6 +133,7 @@ class SD3Policy(DiffusersPolicy):
     def __init__(self, cfg, device: torch.device):
         super().__init__(cfg, device, ("transformer", "vae", "scheduler"))
         self.networks["transformer"] = self.load("transformer", self.dtype).to(device)
+        use_joint_attention(self.transformer)
         self.vae = frozen(self.load("vae", torch.float32), device)
         self.scheduler = self.load("scheduler")
         self.text_encoders, self.tokenizers = [], []

@@ -1,0 +1,58 @@
+"""SD3's copy-free joint attention (models/sd3.py `JointAttention`) computes what diffusers' JointAttnProcessor2_0
+computes: outputs and gradients of a whole transformer in float64, with q/k RMS norms, SD3.5's dual attention
+(self-attention on image tokens only) and the last block's context_pre_only."""
+
+import copy
+
+import torch
+from diffusers import SD3Transformer2DModel
+from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+from polyrl.models.sd3 import JointAttention, use_joint_attention
+
+
+def _transformer() -> SD3Transformer2DModel:
+    torch.manual_seed(0)
+    return SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=8, num_attention_heads=3,
+        joint_attention_dim=12, caption_projection_dim=24, pooled_projection_dim=10, out_channels=4,
+        pos_embed_max_size=8, dual_attention_layers=(0, 1), qk_norm="rms_norm",
+    ).double()
+
+
+def _loss_and_grads(model, inputs):
+    model.zero_grad()
+    out = model(**inputs).sample
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_joint_attention_equals_diffusers_processor_in_outputs_and_gradients():
+    reference = _transformer()
+    assert {type(p) for p in reference.attn_processors.values()} == {JointAttnProcessor2_0}
+    ours = copy.deepcopy(reference)
+    use_joint_attention(ours)
+    assert {type(p) for p in ours.attn_processors.values()} == {JointAttention}
+    assert any(name.endswith("attn2.processor") for name in ours.attn_processors)  # the dual blocks are covered
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float64),
+                  encoder_hidden_states=torch.randn(2, 5, 12, generator=g, dtype=torch.float64),
+                  pooled_projections=torch.randn(2, 10, generator=g, dtype=torch.float64),
+                  timestep=torch.tensor([100.0, 700.0], dtype=torch.float64))
+    out_ref, grads_ref = _loss_and_grads(reference, inputs)
+    out, grads = _loss_and_grads(ours, inputs)
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-12)
+    assert grads.keys() == grads_ref.keys() and len(grads) > 0
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=0, atol=1e-12, msg=name)
+
+
+def test_the_sd3_adapter_uses_it(tiny_sd3_dir):
+    from omegaconf import OmegaConf
+
+
+    cfg = OmegaConf.create({"path": str(tiny_sd3_dir), "dtype": "float32", "compile": "none", "max_sequence_length": 16})
+    from polyrl.models.base import MODELS
+
+    policy = MODELS.build("sd3", cfg, torch.device("cpu"))
+    assert {type(p) for p in policy.transformer.attn_processors.values()} == {JointAttention}
