@@ -8,6 +8,10 @@ only rank 0 logs and writes. gloo on CPUs, NCCL on GPUs (one GPU per rank, `cuda
 
 Gradients travel as one flat buffer per bucket of at most `BUCKET_NUMEL` elements (what DDP does, without
 wrapping the model: the adapters call their networks directly, and LoRA-only gradients are small).
+
+`FSDP2Engine` (distributed/fsdp2.py, `actor.backend=fsdp2`) shards the weights and adds sequence and tensor
+parallel ranks that share samples; the trainer sees the same methods, where `shard`, `gather` and `sum` run over
+the data-parallel ranks (`dp_rank`, `dp_size`) and `sharded` says that a forward needs every rank.
 """
 
 from __future__ import annotations
@@ -26,6 +30,16 @@ class LocalEngine:
 
     rank, world_size = 0, 1
     dims = ParallelDims()
+    sharded = False  # True: the weights are spread over the ranks, so every forward and save needs every rank
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (ranks that hold different samples)."""
+        return self.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -36,7 +50,7 @@ class LocalEngine:
 
     def shard(self, n: int) -> range:
         """This rank's contiguous share of n items (prompt groups, samples)."""
-        return shard_range(n, self.rank, self.world_size)
+        return shard_range(n, self.dp_rank, self.dp_size)
 
     def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
         pass
@@ -151,8 +165,15 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_engine(device_name: str) -> LocalEngine:
-    """A `DataParallelEngine` under a multi-process launch (WORLD_SIZE > 1), else one process on `device_name`."""
+def build_engine(device_name: str, cfg=None) -> LocalEngine:
+    """`actor.backend=fsdp2`: an `FSDP2Engine` (also at world size 1) on the layout of `cfg.parallel`; else a
+    `DataParallelEngine` under a multi-process launch (WORLD_SIZE > 1), else one process on `device_name`."""
+    if cfg is not None and cfg.actor.backend == "fsdp2":
+        from ..models import MODELS
+        from .fsdp2 import FSDP2Engine
+        from .plan import check_parallel_config
+
+        return FSDP2Engine(device_name, check_parallel_config(cfg, MODELS.get(cfg.model.name)))
     if ParallelDims.from_env().world_size > 1:
         return DataParallelEngine(device_name)
     return LocalEngine(pick_device(device_name))

@@ -5,6 +5,12 @@ Layout: `<run>/checkpoints/step_000010/` holding `adapter_model.safetensors` (Lo
 `trainer_state.pt` (optimizer, prompt sampler position, step, RNG states) and `checksums.json` (size and SHA-256 of
 every other file). Every other random draw is a function of (seed, step), so a resumed run continues exactly.
 
+With sharded weights (`actor.backend=fsdp2`) every rank takes part: rank 0 writes the weight files above from
+gathered tensors (LoRA: the adapter only) and the trainer state (with the optimizer's settings only), every rank
+writes its shards of the weights, the EMA copy and the AdamW state into `distcp/` (torch.distributed.checkpoint),
+which loads on any world size and into either backend; a checkpoint of the single-process format loads into
+sharded weights too (actor/fsdp2.py). Checksums cover `distcp/`'s files as well.
+
 Crash safety: a checkpoint is written into `step_N.tmp/`, every file and the directory are fsync'ed, then the
 directory is renamed to `step_N` (a rename is atomic), so `step_N/` exists only once it is complete; a kill or a
 full disk leaves at most a `.tmp` (or, while an existing `step_N` is being replaced, a `.old`) that resume ignores
@@ -93,8 +99,9 @@ def _numpy_state() -> list:
 
 def trainer_state(actor, sampler, step: int, extra: dict | None = None) -> dict:
     """What `trainer_state.pt` holds: only tensors, numbers, strings and plain containers (weights_only-safe)."""
+    optimizer = actor.optimizer_state() if hasattr(actor, "optimizer_state") else actor.optimizer.state_dict()
     return {
-        "step": step, "optimizer": actor.optimizer.state_dict(), "sampler": sampler.state_dict(),
+        "step": step, "optimizer": optimizer, "sampler": sampler.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_state()},
         **(extra or {}),
     }
@@ -113,20 +120,31 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(directory: Path, actor, sampler, step: int, extra: dict | None = None) -> None:
+def save_checkpoint(directory: Path, actor, sampler, step: int, extra: dict | None = None, engine=None) -> None:
     """Write the checkpoint of `step` to `directory` atomically (see the module docstring); an OSError (e.g. a full
-    disk) removes the partial copy and raises CheckpointError naming the directory."""
+    disk) removes the partial copy and raises CheckpointError naming the directory. With a sharding `engine`
+    every rank calls it (each writes its shards; rank 0 the rest, then renames)."""
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     old = directory.with_name(directory.name + ".old")
+    sharded = engine is not None and engine.sharded
+    if sharded and not engine.is_main:
+        engine.barrier()  # rank 0 has cleared tmp
+        actor.save_weights(tmp)
+        engine.barrier()  # every shard is written
+        return
     try:
         shutil.rmtree(tmp, ignore_errors=True)
+        if sharded:
+            engine.barrier()
         actor.save_weights(tmp)
+        if sharded:
+            engine.barrier()
         torch.save(trainer_state(actor, sampler, step, extra), tmp / STATE_FILE)
-        files = sorted(p for p in tmp.iterdir() if p.is_file())
-        sums = {p.name: {"bytes": p.stat().st_size, "sha256": file_digest(p)} for p in files}
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        sums = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": file_digest(p)} for p in files}
         (tmp / CHECKSUM_FILE).write_text(json.dumps({"files": sums}, indent=1))
-        for p in [*files, tmp / CHECKSUM_FILE, tmp]:
+        for p in [*files, tmp / CHECKSUM_FILE, *(d for d in tmp.rglob("*") if d.is_dir()), tmp]:
             _fsync(p)
         if directory.exists():  # replaced only after the new copy is complete on disk
             shutil.rmtree(old, ignore_errors=True)
@@ -219,7 +237,10 @@ def load_checkpoint(directory: Path, actor, sampler) -> dict:
     state = read_checkpoint(directory)
     try:
         actor.load_weights(directory)
-        actor.optimizer.load_state_dict(state["optimizer"])
+        if hasattr(actor, "load_optimizer_state"):  # also a sharded one (distcp/), into either backend
+            actor.load_optimizer_state(directory, state["optimizer"])
+        else:
+            actor.optimizer.load_state_dict(state["optimizer"])
         sampler.load_state_dict(state["sampler"])
     except (ValueError, KeyError, RuntimeError, OSError) as e:  # another model's or another config's checkpoint
         raise CheckpointError(f"{directory}: does not fit this run ({e})") from None
