@@ -1,0 +1,83 @@
+"""The actor of a token policy: `LocalActor`'s weights, optimiser, policy contexts and update loop, with token
+re-scoring as its evaluator (`algorithms.token_losses.TokenEvaluator`) and rollout correction per token (§4).
+
+Rollout correction on tokens is the diffusion one with a response token in place of a trained step: `bypass` uses
+the rollout's per-token log-probs as log π_old (no old-policy forward); `recompute` and `decoupled` run one
+teacher-forced forward of the old policy (timed as `time/old_logprob`), `decoupled` adds truncated importance
+weights × the rejection mask per token; `log_ratio_bounds` masks tokens whose log-ratio leaves the bounds.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..algorithms.token_losses import TokenScores
+from ..batch import Rollout, TokenBatch
+from ..sampling.tokens import TokenPlan, response_token_log_probs
+from .local import LocalActor, correction_weights, in_bounds, mean_stats
+
+
+class TokenActor(LocalActor):
+    def _init_sampler(self, plan: TokenPlan) -> None:
+        self.temperature = plan.log_prob_temperature
+
+    # ------------------------------------------------------------------------------------ TokenEvaluator
+    def response_log_probs(self, batch: Rollout, tokens: TokenBatch, policy: str = "current") -> torch.Tensor:
+        """log π of `tokens`' response tokens (B, R') under `policy`, R' = the longest response (padding trimmed)."""
+        with self.policy(policy):
+            return response_token_log_probs(self.adapter, tokens.trimmed(), batch.cond, self.temperature)
+
+    def token_scores(self, batch: Rollout, policy: str = "current") -> TokenScores:
+        log_prob = self.response_log_probs(batch, batch.tokens, policy)
+        r = log_prob.shape[1]
+        dev = log_prob.device
+        mask = batch.tokens.response_mask[:, :r].to(dev).float()
+        old = (batch.old_log_probs if batch.old_log_probs is not None else batch.log_probs)[:, :r].to(dev)
+        weight = None
+        if policy == "current":
+            weight = None if batch.step_weights is None else batch.step_weights[:, :r].to(dev)
+            if self.correction.mode == "bypass" and self.bounds is not None:
+                keep = in_bounds(log_prob.detach() - batch.log_probs[:, :r].to(dev), self.bounds)
+                n = mask.sum().clamp(min=1)
+                self._masked.append((((1 - keep) * mask).sum() / n, int(n)))
+                weight = keep if weight is None else weight * keep
+        return TokenScores(log_prob, old, mask, weight)
+
+    # ------------------------------------------------------------------------------------ rollout correction
+    @torch.no_grad()
+    def prepare_old(self, batch: Rollout) -> dict[str, float]:
+        """Fill `old_log_probs` (and `step_weights` for decoupled) per response token (§4); returns its stats."""
+        if not self.algo.uses_log_probs:
+            return {}
+        mode = self.correction.mode
+        if mode == "bypass":
+            batch.old_log_probs = batch.log_probs
+            return {"time/old_logprob": 0.0}
+        t0 = time.perf_counter()
+        old_policy = "old" if self.algo.samples_from_old else "current"
+        micro = self.cfg.micro_batch_size or max(len(batch), 1)
+        old = torch.zeros_like(batch.log_probs)
+        for part in torch.arange(len(batch)).split(micro):
+            sub = batch.select(part)
+            lp = self.response_log_probs(sub, sub.tokens, old_policy).float()
+            old[part.to(old.device), : lp.shape[1]] = lp.to(old)
+        batch.old_log_probs = old
+        mask = batch.tokens.response_mask.to(old).float()
+        n = int(mask.sum())
+        delta = (old - batch.log_probs).abs() * mask
+        stats = {"correction/abs_dlogp": [(delta.sum() / max(n, 1), n)], "correction/max_abs_dlogp": [(delta.max(), 1)]}
+        if mode == "decoupled":
+            weight, keep = correction_weights(old, batch.log_probs, self.correction.is_cap, self.bounds)
+            batch.step_weights = weight * keep * mask
+            valid = mask.bool()
+            stats.update({
+                "correction/is_weight_mean": [((weight * mask).sum() / max(n, 1), n)],
+                "correction/is_weight_max": [(weight[valid].max() if n else weight.new_ones(()), 1)],
+                "correction/is_weight_min": [(weight[valid].min() if n else weight.new_ones(()), 1)],
+                "correction/masked_frac": [(((1 - keep) * mask).sum() / max(n, 1), n)],
+            })
+        out = mean_stats(stats, self.engine)
+        out["time/old_logprob"] = time.perf_counter() - t0
+        return out

@@ -1,0 +1,34 @@
+"""GSPO (docs/algorithms.md §5, arXiv 2507.18071): PPO-clip on the sequence ratio s = exp(mean_t (log π_θ −
+log π_old)), with the gradient reaching every token (`token_losses.gspo_loss`); ε_low 3e-4, ε_high 4e-4."""
+
+from __future__ import annotations
+
+import torch
+
+from ..batch import Rollout
+from .base import register_algorithm
+from .token_losses import TokenAlgorithm, TokenEvaluator, aggregate, gspo_loss, k3_kl, token_stats
+
+
+@register_algorithm("gspo")
+class GSPO(TokenAlgorithm):
+    def __init__(self, clip_range: float = 3e-4, clip_range_high: float = 4e-4, kl_beta: float = 0.0,
+                 adv_std: str = "group", adv_clip_max: float = 5.0, drop_zero_advantage: bool = False):
+        self.clip_low, self.clip_high = clip_range, clip_range_high
+        self.kl_beta, self.adv_std, self.adv_clip_max = kl_beta, adv_std, adv_clip_max
+        self.drop_zero_advantage = drop_zero_advantage
+
+    def step_loss(self, policy: TokenEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
+        s = policy.token_scores(batch)
+        adv = batch.advantages.to(s.log_prob.device)
+        loss, seq_ratio, clipped = gspo_loss(s.log_prob, s.old_log_prob, adv, s.mask, self.clip_low, self.clip_high,
+                                             s.weight)
+        stats = token_stats(loss, seq_ratio, clipped, s.mask)
+        if self.kl_beta > 0:
+            with torch.no_grad():
+                ref = policy.token_scores(batch, policy="reference").log_prob
+            kl = aggregate(k3_kl(s.log_prob, ref), s.mask, s.weight, "seq_mean_token_mean")
+            stats["kl"] = kl.detach()
+            loss = loss + self.kl_beta * kl
+        stats["loss"] = loss.detach()
+        return loss, stats

@@ -1,0 +1,224 @@
+"""The rollout stage of a token policy: batched autoregressive sampling with a KV cache, per-token log-probs
+stored from the rollout (docs/tokens.md, docs/algorithms.md §5).
+
+The policy is π(y_t | x, y_<t) = softmax(logits_t / T) with T = `rollout.temperature`; the stored log-prob of a
+sampled token is log π of that token (top-p only narrows what is drawn, it does not change π: the learner's
+recompute uses the same π, so the first update's ratio is 1 up to kernel differences).
+
+Randomness is drawn up front, like the diffusion rollout's noise: one uniform u ~ U[0, 1) per (sample, response
+position) for the whole global batch from the step's generator, and a token is drawn by inverting the CDF of the
+(top-p truncated) distribution at u. The draws therefore depend neither on `rollout.batch_size` nor on the rank
+that samples a row, and a resumed run draws what an uninterrupted one would.
+
+A response ends at an EOS token of the model or when its text contains one of `rollout.stop` (the token that
+completes the stop string is the last one kept), else after `rollout.max_new_tokens` tokens. Every stored tensor
+is padded to `max_new_tokens` columns, so rollouts of any length concatenate (the actor trims the padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..batch import Rollout, TokenBatch
+from ..models.base import Prompt, TokenPolicy, token_media
+from .diffusion import MediaChunk
+
+
+@dataclass
+class TokenPlan:
+    """What a token rollout samples. `temperature` 0 means greedy decoding (the held-out evaluation)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    batch_size: int = 64  # sequences per network call (memory bound)
+
+    @property
+    def log_prob_temperature(self) -> float:
+        """T of π = softmax(logits / T); greedy decoding scores with T = 1."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+def draw_uniforms(num_samples: int, plan: TokenPlan, generator: torch.Generator) -> torch.Tensor:
+    """(B, max_new_tokens) float64 uniforms in [0, 1): one per (sample, position), drawn sample-major."""
+    return torch.rand((num_samples, plan.max_new_tokens), generator=generator, dtype=torch.float64)
+
+
+def token_log_probs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log π(ids) with π = softmax(logits / T) (§5), in float32: `logits` (..., V), `ids` (...) -> (...)."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+def top_p_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus: the fewest most likely tokens whose mass reaches `top_p` (the token that crosses it included;
+    always at least the most likely one). `probs` (B, V) -> bool (B, V)."""
+    if top_p >= 1.0:
+        return torch.ones_like(probs, dtype=torch.bool)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass of the more likely tokens
+    keep_sorted = before < top_p
+    keep_sorted[:, 0] = True
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token whose CDF interval holds u·total (B, V) × (B,) -> (B,) long; a zero-probability token is never
+    picked (its interval is empty)."""
+    cdf = probs.double().cumsum(-1)
+    target = (u.double() * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return idx.clamp(max=probs.shape[-1] - 1)
+
+
+def sample_next(logits: torch.Tensor, u: torch.Tensor, plan: TokenPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next token (B,), its log π (B,)) from the last position's logits (B, V) and uniforms (B,)."""
+    logp = torch.log_softmax(logits.float() / plan.log_prob_temperature, dim=-1)
+    if plan.temperature <= 0:
+        token = logits.argmax(-1)
+    else:
+        probs = logp.double().exp()
+        probs = probs * top_p_mask(probs, plan.top_p)
+        token = inverse_cdf_sample(probs, u)
+    return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+
+
+def pad_left(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (ids, mask), both (B, max length) long."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+def pad_right(seqs: list[list[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (ids, mask), both (B, width) long (width: the longest sequence when None)."""
+    width = width if width is not None else max((len(s) for s in seqs), default=0)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
+class StopStrings:
+    """Whether a response's text has just completed one of the stop strings: only the last few tokens are decoded
+    each step (a stop string of n characters fits in its last n + 2 tokens: each token decodes to at least one
+    character, the 2 cover a multi-byte character split over tokens)."""
+
+    def __init__(self, adapter: TokenPolicy, stop: tuple[str, ...]):
+        self.adapter, self.stop = adapter, tuple(s for s in stop if s)
+        self.window = max((len(s) for s in self.stop), default=0) + 2
+
+    def hit(self, response: list[int]) -> bool:
+        if not self.stop:
+            return False
+        tail = self.adapter.decode([response[-self.window:]])[0]
+        return any(s in tail for s in self.stop)
+
+
+@torch.no_grad()
+def sample_tokens(adapter: TokenPolicy, prompt_ids: list[list[int]], cond: dict, plan: TokenPlan,
+                  uniforms: torch.Tensor) -> tuple[TokenBatch, torch.Tensor]:
+    """Sample one chunk: (tokens with responses padded to max_new_tokens, log π of each response token (B, R)
+    float32, 0 on padding). One prefill, then one cached forward per new token; stops when every row ended."""
+    device, pad = adapter.device, adapter.pad_token_id
+    prompt, prompt_mask = pad_left(prompt_ids, pad)
+    b, r = len(prompt_ids), plan.max_new_tokens
+    eos = torch.tensor(adapter.eos_token_ids, dtype=torch.long, device=device)
+    stops = StopStrings(adapter, tuple(plan.stop))
+    response = torch.full((b, r), pad, dtype=torch.long)
+    response_mask = torch.zeros((b, r), dtype=torch.long)
+    log_probs = torch.zeros((b, r), dtype=torch.float32)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    mask = prompt_mask.to(device)
+    cond = {k: v.to(device) for k, v in cond.items()}
+    logits, cache = adapter.forward(prompt.to(device), mask, cond, None, keep=1, use_cache=True)
+    rows: list[list[int]] = [[] for _ in range(b)]
+    for t in range(r):
+        token, lp = sample_next(logits[:, -1], uniforms[:, t].to(device), plan)
+        alive = ~done
+        token = torch.where(alive, token, torch.full_like(token, pad))
+        response[:, t] = token.cpu()
+        response_mask[:, t] = alive.long().cpu()
+        log_probs[:, t] = torch.where(alive, lp, torch.zeros_like(lp)).cpu()
+        done = done | torch.isin(token, eos)
+        if stops.stop:
+            for i in torch.nonzero(alive & ~done).flatten().tolist():
+                rows[i] = response[i, : t + 1].tolist()
+                if stops.hit(rows[i]):
+                    done[i] = True
+        if bool(done.all()) or t == r - 1:
+            break
+        mask = torch.cat([mask, alive.long().unsqueeze(1)], 1)
+        logits, cache = adapter.forward(token.unsqueeze(1), mask, None, cache, keep=1, use_cache=True)
+    tokens = TokenBatch(prompt, prompt_mask, response, response_mask, pad)
+    return tokens, log_probs
+
+
+def response_texts(adapter: TokenPolicy, tokens: TokenBatch) -> list[str]:
+    """Each response's text: its kept tokens decoded, special tokens (EOS) skipped."""
+    ids = [row[: int(n)].tolist() for row, n in zip(tokens.response_ids, tokens.response_mask.sum(1), strict=True)]
+    return adapter.decode(ids)
+
+
+def chunk_media(adapter: TokenPolicy, tokens: TokenBatch) -> dict:
+    """A sampled chunk's media, the kinds the policy declares (`models.base.token_media`): the responses' texts for
+    "text", the policy's `decode_media(tokens)` for any other kind (Janus-Pro: {"images": ...})."""
+    kinds = token_media(adapter)
+    media = {"text": response_texts(adapter, tokens)} if "text" in kinds else {}
+    if set(kinds) - {"text"}:
+        media.update(adapter.decode_media(tokens))
+    return media
+
+
+def _cat_chunks(parts: list[dict]) -> dict:
+    return {k: ([x for p in parts for x in p[k]] if isinstance(parts[0][k], list) else torch.cat([p[k] for p in parts]))
+            for k in parts[0]}
+
+
+def token_rollout(adapter: TokenPolicy, prompts: list[Prompt], metadata: list[dict], group_ids: torch.Tensor,
+                  plan: TokenPlan, uniforms: torch.Tensor, sink=None, times: dict | None = None) -> Rollout:
+    """Sample len(prompts) responses in chunks of `plan.batch_size`; each chunk's media go to `sink.put(MediaChunk)`
+    as soon as it is sampled (the reward stage may score it while the next chunk samples). `uniforms` (B, R) are
+    this batch's rows of `draw_uniforms`. Returns the batch: `tokens`, per-token `log_probs`, `media` ({"text"} for
+    a text policy, the decoded kinds for one that declares others: `chunk_media`)."""
+    prompt_ids, cond = adapter.encode_prompts(prompts)
+    b = len(prompts)
+    parts, media = [], []
+    for i in range(0, b, plan.batch_size):
+        sl = slice(i, min(b, i + plan.batch_size))
+        tokens, log_probs = sample_tokens(adapter, prompt_ids[sl], {k: v[sl] for k, v in cond.items()}, plan,
+                                          uniforms[sl])
+        parts.append((tokens, log_probs))
+        media.append(chunk_media(adapter, tokens))
+        if sink is not None:
+            sink.put(MediaChunk(sl, {}, media[-1]))
+    tokens = TokenBatch.cat([p[0] for p in parts])
+    return Rollout(
+        prompts=list(prompts), metadata=list(metadata), group_ids=group_ids, cond={k: v.cpu() for k, v in cond.items()},
+        shared={}, latents={}, log_probs=torch.cat([p[1] for p in parts]), sigmas=torch.zeros(b, 0),
+        noise_levels=torch.zeros(b, 0), final={}, media=_cat_chunks(media), tokens=tokens,
+    )
+
+
+def response_token_log_probs(adapter: TokenPolicy, tokens: TokenBatch, cond: dict, temperature: float) -> torch.Tensor:
+    """Teacher-forced log π of every response token (B, R) (0 on padding), in one forward of prompt ⧺ response:
+    the logits at sequence position P − 1 + t score response token t. Differentiable (the learner's recompute)."""
+    device = adapter.device
+    p, r = tokens.prompt_ids.shape[1], tokens.response_ids.shape[1]
+    if r == 0:  # no response token (an empty micro-batch: a rank may hold no sample of a mini-batch)
+        return torch.zeros((len(tokens), 0), device=device, requires_grad=torch.is_grad_enabled())
+    ids = tokens.input_ids[:, : p + r - 1].to(device)
+    mask = tokens.attention_mask[:, : p + r - 1].to(device)
+    logits, _ = adapter.forward(ids, mask, {k: v.to(device) for k, v in cond.items()}, None, keep=r)
+    lp = token_log_probs(logits, tokens.response_ids.to(device), temperature)
+    return lp * tokens.response_mask.to(device)
