@@ -1,4 +1,4 @@
-"""vlm_judge and hpsv3 on tiny local VLMs the test builds: a LLaVA layout (CLIP vision tower + Llama) through
+"""vlm_judge on tiny local VLMs the test builds (hpsv3: tests/test_hpsv3.py): a LLaVA layout (CLIP vision tower + Llama) through
 AutoModelForImageTextToText / AutoProcessor. (The Qwen2-VL processor needs torchvision for its video part,
 which the CPU test environment does not have; the scorers use only the Auto classes.)
 
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from polyrl.rewards import build_reward
-from polyrl.rewards.heads import save_mlp_head
 from polyrl.rewards.vlm_judge import DEFAULT_PATTERN, parse_score
 
 SPECIAL = ["<pad>", "<unk>", "<eos>", "<image>"]
@@ -79,11 +78,6 @@ def judge_dir(tmp_path_factory):
     return build_tiny_llava(tmp_path_factory.mktemp("judge"), script=SCRIPT)
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    return build_tiny_llava(tmp_path_factory.mktemp("vlm"), seed=1)
-
-
 def _images(n, seed=0):
     return torch.rand(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
 
@@ -129,49 +123,3 @@ def test_judge_config_errors(judge_dir):
         build_reward({"name": "vlm_judge", "path": str(judge_dir), "on_unparseable": "zero"})
     with pytest.raises(ValueError, match=r"needs a capture group"):
         build_reward({"name": "vlm_judge", "path": str(judge_dir), "pattern": r"score \d+"})
-
-
-def _hps(vlm_dir, tmp_path, outputs=2):
-    torch.manual_seed(5)
-    head = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Dropout(0.05),
-                               torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, outputs))
-    path = save_mlp_head(head, tmp_path / "rm_head.safetensors", prefix="rm_head.")
-    return head, build_reward({"name": "hpsv3", "path": str(vlm_dir), "head_path": str(path),
-                               "template": "judge the image prompt {prompt}", "device": "cpu"})
-
-
-def test_hpsv3_matches_float64_reference(vlm_dir, tmp_path):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    head, reward = _hps(vlm_dir, tmp_path)
-    images, prompts = _images(3, seed=2), ["a red circle", "a blue square", "a red square"]
-    out = reward(images, prompts, None)
-    # reference: float64 model, right padding (the last real token found from the attention mask), head by hand
-    model = AutoModelForImageTextToText.from_pretrained(vlm_dir).double().eval()
-    proc = AutoProcessor.from_pretrained(vlm_dir)
-    proc.tokenizer.padding_side = "right"
-    hs = []
-    for i in range(3):  # one sample at a time: no padding at all
-        text = proc.apply_chat_template([{"role": "user", "content": [
-            {"type": "image"}, {"type": "text", "text": f"judge the image prompt {prompts[i]}"}]}],
-            add_generation_prompt=True, tokenize=False)
-        arr = (images[i].permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
-        b = proc(text=text, images=[arr], return_tensors="pt")
-        b["pixel_values"] = b["pixel_values"].double()
-        with torch.no_grad():
-            hs.append(model(**b, output_hidden_states=True).hidden_states[-1][0, -1])
-    x = torch.stack(hs)
-    for i in (0, 3, 5):
-        x = x @ head[i].weight.detach().double().T + head[i].bias.detach().double()
-        x = torch.relu(x) if i != 5 else x
-    assert torch.allclose(out.scores.double(), x[:, 0], atol=1e-4), (out.scores, x[:, 0])
-    assert out.extras["hpsv3/second_output"] == pytest.approx(x[:, 1].tolist(), abs=1e-4)
-    assert torch.equal(reward(images, prompts, None).scores, out.scores)  # deterministic
-    # the score depends on both the image and the prompt
-    same = reward(images[:1].expand(2, -1, -1, -1), ["a red circle", "a blue square"], None).scores
-    assert abs(same[0] - same[1]) > 1e-5 and abs(out.scores[0] - out.scores[2]) > 1e-5
-
-
-def test_hpsv3_head_size_errors(vlm_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"outputs 3 values, need 1 or 2"):
-        _hps(vlm_dir, tmp_path, outputs=3)
