@@ -7,6 +7,12 @@ another process as it is. Stages fill it in order: rollout (trajectories, log-pr
 Per-sample fields are batch first; `select` and `cat` walk them generically (tensors, lists, and dicts of those,
 nested), so a new model's latent entries or a new algorithm's `extras` need no code here. `shared` is the one
 field that is not per sample: conditioning every sample uses (the negative prompt's, under CFG).
+
+Token policies (models.base.TokenPolicy) fill the same contract: `tokens` holds the prompt and response ids and
+masks (`TokenBatch`), and the per-step fields are per response token: `log_probs`, `old_log_probs` and
+`step_weights` are (B, R), one entry per response position (0 where `tokens.response_mask` is 0), so rollout
+correction treats a token as it treats a diffusion step. Their diffusion fields are empty (`latents` / `final`
+{}, `sigmas` / `noise_levels` (B, 0)).
 """
 
 from __future__ import annotations
@@ -22,9 +28,72 @@ from .media import select_media
 NOT_PER_SAMPLE = ("shared",)
 
 
+@dataclass
+class TokenBatch:
+    """The token ids of a batch of prompts and responses, batch first (token policies, docs/tokens.md).
+
+    Prompts are left-padded and responses right-padded, so `prompt ⧺ response` is one sequence whose real tokens
+    are contiguous: response position t is predicted by the logits at sequence position P − 1 + t. Masks are 1 on
+    real tokens: `response_mask` covers the generated tokens up to and including the one that ended the response
+    (EOS or the last token of a stop string), which is what the losses train on. Padding uses `pad_id`.
+    """
+
+    prompt_ids: torch.Tensor  # (B, P) long, left-padded
+    prompt_mask: torch.Tensor  # (B, P) long
+    response_ids: torch.Tensor  # (B, R) long, right-padded
+    response_mask: torch.Tensor  # (B, R) long
+    pad_id: int = 0
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], 1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask], 1)
+
+    def select(self, idx: torch.Tensor) -> TokenBatch:
+        i = idx.to(self.prompt_ids.device)
+        return TokenBatch(self.prompt_ids[i], self.prompt_mask[i], self.response_ids[i], self.response_mask[i],
+                          self.pad_id)
+
+    def to(self, device) -> TokenBatch:
+        return TokenBatch(self.prompt_ids.to(device), self.prompt_mask.to(device), self.response_ids.to(device),
+                          self.response_mask.to(device), self.pad_id)
+
+    def trimmed(self) -> TokenBatch:
+        """The same batch without the columns that are padding in every row (the left of the prompts, the right of
+        the responses): what a forward needs, so a batch padded to `rollout.max_new_tokens` costs its real length."""
+        p = int(self.prompt_mask.sum(1).max()) if len(self) else 0
+        r = int(self.response_mask.sum(1).max()) if len(self) else 0
+        return TokenBatch(self.prompt_ids[:, self.prompt_ids.shape[1] - p:], self.prompt_mask[:, self.prompt_mask.shape[1] - p:],
+                          self.response_ids[:, :r], self.response_mask[:, :r], self.pad_id)
+
+    @staticmethod
+    def cat(parts: list[TokenBatch]) -> TokenBatch:
+        """Batches of any prompt / response widths: prompts padded on the left, responses on the right."""
+        p = max(t.prompt_ids.shape[1] for t in parts)
+        r = max(t.response_ids.shape[1] for t in parts)
+        pad = parts[0].pad_id
+
+        def widen(x: torch.Tensor, width: int, value: int, left: bool) -> torch.Tensor:
+            extra = torch.full((x.shape[0], width - x.shape[1]), value, dtype=x.dtype, device=x.device)
+            return torch.cat([extra, x] if left else [x, extra], 1)
+
+        return TokenBatch(torch.cat([widen(t.prompt_ids, p, pad, True) for t in parts]),
+                          torch.cat([widen(t.prompt_mask, p, 0, True) for t in parts]),
+                          torch.cat([widen(t.response_ids, r, pad, False) for t in parts]),
+                          torch.cat([widen(t.response_mask, r, 0, False) for t in parts]), pad)
+
+
 def _select(value, idx: torch.Tensor, ids: list[int]):
     if value is None:
         return None
+    if isinstance(value, TokenBatch):
+        return value.select(idx)
     if isinstance(value, torch.Tensor):
         return value[idx.to(value.device)]
     if isinstance(value, dict):
@@ -34,12 +103,27 @@ def _select(value, idx: torch.Tensor, ids: list[int]):
     return select_media(value, idx)
 
 
+def _pad_ragged(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors whose per-sample dims differ (a token policy's per-sample media inputs, model=qwen3_omni: patches,
+    clips, frames padded to each batch's widest) zero-padded at the end of each dim to the widest; others as given."""
+    if len({v.shape[1:] for v in values}) <= 1 or len({v.dim() for v in values}) > 1:
+        return values
+    width = [max(v.shape[d] for v in values) for d in range(values[0].dim())]
+    out = []
+    for v in values:
+        pad = []
+        for d in reversed(range(1, v.dim())):
+            pad += [0, width[d] - v.shape[d]]
+        out.append(torch.nn.functional.pad(v, pad))
+    return out
+
+
 def _cat(values: list):
     first = values[0]
     if first is None:
         return None
     if isinstance(first, torch.Tensor):
-        return torch.cat(values)
+        return torch.cat(_pad_ragged(values))
     if isinstance(first, dict):
         return {k: _cat([v[k] for v in values]) for k in first}
     if isinstance(first, list | tuple):
@@ -48,7 +132,7 @@ def _cat(values: list):
 
 
 def _to(value, device):
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor | TokenBatch):
         return value.to(device)
     if isinstance(value, dict):
         return {k: _to(v, device) for k, v in value.items()}
@@ -78,6 +162,7 @@ class Rollout:
     old_log_probs: torch.Tensor | None = None  # (B, W) float32
     step_weights: torch.Tensor | None = None  # (B, W) truncated IS weight × rejection mask (decoupled mode)
     extras: dict = field(default_factory=dict)  # an algorithm's per-sample payload (e.g. DPO's rejected latents)
+    tokens: TokenBatch | None = None  # token policies: prompt and response ids and masks
 
     def __len__(self) -> int:
         return len(self.prompts)

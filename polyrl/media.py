@@ -3,6 +3,7 @@
 * images: float tensor (B, 3, H, W) in [0, 1];
 * video:  float tensor (B, T, 3, H, W) in [0, 1] (T frames);
 * audio:  an `Audio` (waveform (B, channels, samples) in [-1, 1] and `sample_rate` in Hz).
+* text:   a list of B strings (the decoded responses of a token policy, docs/tokens.md).
 
 A model's `decode` returns them keyed by kind (`{"images": ...}`, `{"video": ..., "audio": ...}`).
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("images", "video", "audio")
+KINDS = ("images", "video", "audio", "text")
 
 
 @dataclass

@@ -62,3 +62,11 @@ def edit_data_dir(tmp_path_factory):
     mask[8:20, 4:20] = 255
     Image.fromarray(mask).save(root / "masks" / "square.png")
     return root
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    """A tiny random Qwen3ForCausalLM with a byte-level tokenizer built offline and a ChatML chat template."""
+    from polyrl.models.tiny_lm import save_tiny_causal_lm
+
+    return save_tiny_causal_lm(tmp_path_factory.mktemp("tiny_qwen3"))

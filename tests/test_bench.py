@@ -65,3 +65,24 @@ def test_bench_tiny_wan_reports_frames_and_the_wan_flops(tmp_path):
     expected = epoch_flops(per_sample, 4, 4, 2, cfg=True, reference_forward=False)
     assert s["model_tflop_per_epoch"] * 1e12 == pytest.approx(expected, rel=1e-9)
     assert "frames/s" in (out / "bench.md").read_text()
+
+
+def test_bench_tiny_grpo_lm_reports_tokens_per_second_of_each_stage(tmp_path):
+    """`--workload grpo_lm` at tiny size: every prompt is exactly 16 tokens, and rollout / training tokens/s are the
+    response tokens (and prompt + response tokens) of the measured epoch over that stage's time."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "bench"
+    assert main(["bench", "--tiny", "--workload", "grpo_lm", "--out", str(out), "--epochs", "1", "--warmup", "1",
+                 "trainer.progress=false"]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    s, measured = result["summary"], result["history"][-1]
+    tokenizer = AutoTokenizer.from_pretrained(str(out / "grpo_lm_tiny"))
+    rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    assert {len(tokenizer(r["prompt"]).input_ids) for r in rows} == {16}
+    samples = 8  # 2 prompts × 4 samples
+    response = samples * measured["response_length/mean"]
+    assert s["images_per_epoch"] == samples and s["response_tokens_per_epoch"] == pytest.approx(response)
+    assert s["rollout_tokens_per_s"] == pytest.approx(response / measured["time/rollout"])
+    assert s["train_tokens_per_s"] == pytest.approx((response + samples * 16) / measured["time/train"])
+    assert "rollout tokens/s" in (out / "bench.md").read_text()

@@ -46,7 +46,7 @@ def test_two_process_run_equals_one_process_run_with_resume(tiny_sd3_dir, shape_
     one, two = tmp_path / "one", tmp_path / "two"
     _run(common + ["trainer.max_steps=3", f"trainer.output_dir={one}"], tmp_path)
     first = _run(common + ["trainer.max_steps=2", f"trainer.output_dir={two}"], tmp_path, nproc=2)
-    assert "2 data-parallel ranks" in first.stderr
+    assert "2 ranks: dp=2" in first.stderr
     assert (two / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
     _run(common + ["trainer.max_steps=3", f"trainer.output_dir={two}", "trainer.resume=auto"], tmp_path, nproc=2)
 

@@ -330,9 +330,9 @@ def _wav_b64(n=100, rate=16000, channels=1):
 
 
 @pytest.mark.parametrize("payload, message", [
-    ({"images": ["x"], "videos": [["x"]], "prompts": ["a"]}, "a request carries exactly one of images, videos, audio; "
-                                                             "got images, videos"),
-    ({"prompts": ["a"]}, "a request carries exactly one of images, videos, audio; got none"),
+    ({"images": ["x"], "videos": [["x"]], "prompts": ["a"]}, "a request carries exactly one of images, videos, audio, "
+                                                             "texts; got images, videos"),
+    ({"prompts": ["a"]}, "a request carries exactly one of images, videos, audio, texts; got none"),
     ({"videos": [], "prompts": []}, "'videos' must be a non-empty list of videos"),
     ({"videos": [["x"]], "prompts": ["a", "b"]}, "got 1 videos but 2 prompts"),
     ({"videos": [["%%"]], "prompts": ["a"]}, "videos[0]: frame 0: not valid base64"),

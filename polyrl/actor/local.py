@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..batch import Rollout
+from ..distributed.dcp import DCP_DIR, adam_state, load_sharded
 from ..distributed.engine import LocalEngine
 from ..latents import Latents, select_step
 from ..models.base import DiffusionPolicy
@@ -32,11 +33,39 @@ from ..sampling.diffusion import SamplingPlan
 from ..sampling.steps import STEPS, StepOut, step_latents
 
 
+def is_transformers_model(network: torch.nn.Module) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(network, PreTrainedModel)
+
+
 def add_lora(network: torch.nn.Module, rank: int, alpha: float, targets: list[str]) -> None:
     from peft import LoraConfig
 
     network.requires_grad_(False)
-    network.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
+    config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets)
+    if is_transformers_model(network):
+        # transformers' own add_adapter wants a newer peft than diffusers' does: inject the LoRA layers directly
+        from peft import inject_adapter_in_model
+
+        inject_adapter_in_model(config, network, adapter_name="default")
+        network.peft_config = {"default": config}
+    else:
+        network.add_adapter(config)
+
+
+def set_adapters_enabled(network: torch.nn.Module, enabled: bool) -> None:
+    """Switch a network's LoRA layers on or off (off: the base weights, the `reference` policy)."""
+    if is_transformers_model(network):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for module in network.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.enable_adapters(enabled)
+    elif enabled:
+        network.enable_adapters()
+    else:
+        network.disable_adapters()
 
 
 def load_teacher(path: str | Path, base: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Module]:
@@ -96,6 +125,11 @@ def mean_stats(stats: dict[str, list], engine: LocalEngine | None = None) -> dic
     return {n: values[i] / values[k + i] for i, n in enumerate(names) if values[k + i] > 0}
 
 
+def _offsets(sizes: list[int]) -> list[int]:
+    """Where each rank's samples start in the global batch (ranks hold contiguous shares)."""
+    return [sum(sizes[:r]) for r in range(len(sizes))]
+
+
 DEFAULT_CORRECTION = SimpleNamespace(mode="bypass", is_cap=2.0, log_ratio_bounds=None)
 
 
@@ -108,8 +142,7 @@ class LocalActor:
         self.engine = engine or LocalEngine(adapter.device)
         self.correction = correction or DEFAULT_CORRECTION
         self.bounds = None if self.correction.log_ratio_bounds is None else tuple(map(float, self.correction.log_ratio_bounds))
-        self.sigma_1 = float(adapter.sigmas(plan.num_steps, plan.shape)[1])
-        self.step_fn = STEPS[plan.step]
+        self._init_sampler(plan)
         networks = adapter.modules()
         self.teacher_models = load_teacher(algo.teacher_path, networks) if algo.teacher_path else None
         self.lora = cfg.lora_rank > 0
@@ -125,7 +158,8 @@ class LocalActor:
                 if not getattr(network, "_supports_gradient_checkpointing", False):
                     raise ValueError(f"actor.gradient_checkpointing=true: {name} ({type(network).__name__}) "
                                      "does not support it")
-                network.enable_gradient_checkpointing()
+                # diffusers: enable_gradient_checkpointing; transformers: gradient_checkpointing_enable
+                (getattr(network, "enable_gradient_checkpointing", None) or network.gradient_checkpointing_enable)()
         if not self.lora and algo.needs_reference:
             self.reference_models = {k: copy.deepcopy(v).requires_grad_(False).eval() for k, v in networks.items()}
         # Trainable weights are kept in float32 (the optimizer needs full-precision master weights).
@@ -136,6 +170,7 @@ class LocalActor:
         for p in self.params:
             p.data = p.data.float()
         self.engine.broadcast_params(self.params)
+        self.params = self._distribute(networks)  # a sharding actor's parameters are new (sharded) tensors
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=cfg.eps
         )
@@ -145,6 +180,29 @@ class LocalActor:
         self.num_updates = 0
         self.generator = torch.Generator().manual_seed(0)
         self._masked: list = []
+        self._dummy = False  # a padding micro-batch (see `_lockstep`) is running: record nothing
+        self._sizes: list[int] = []  # every data-parallel rank's number of samples in the update in progress
+
+    def _distribute(self, networks: dict[str, torch.nn.Module]) -> list[torch.nn.Parameter]:
+        """The trainable parameters after placing the networks on the ranks: replicated here, as they are
+        (actor/fsdp2.py shards them)."""
+        return self.params
+
+    def _lockstep(self, parts: list[torch.Tensor], shares: list[int]) -> list[torch.Tensor | None]:
+        """This rank's micro-batches (sample indices) as they run. Replicated weights need nothing else; a sharded
+        actor pads them with None (a zero-weight micro-batch) so that every rank runs the same number of forwards,
+        since each forward is a collective there. `shares`: every data-parallel rank's samples in this loop."""
+        return parts
+
+    def _reduce_and_clip(self) -> torch.Tensor:
+        """Sum the gradients over the ranks, clip them to actor.grad_clip; returns their norm before clipping."""
+        self.engine.all_reduce_grads(self.params)
+        return torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+
+    def _init_sampler(self, plan) -> None:
+        """What re-scoring a stored transition needs from the plan (diffusion: σ_1 and the step function)."""
+        self.sigma_1 = float(self.adapter.sigmas(plan.num_steps, plan.shape)[1])
+        self.step_fn = STEPS[plan.step]
 
     @property
     def num_trainable(self) -> int:
@@ -160,12 +218,12 @@ class LocalActor:
             return
         networks = list(self.adapter.modules().values())
         for network in networks:
-            network.disable_adapters()
+            set_adapters_enabled(network, False)
         try:
             yield
         finally:
             for network in networks:
-                network.enable_adapters()
+                set_adapters_enabled(network, True)
 
     @contextmanager
     def _swap_networks(self, replacements: dict[str, torch.nn.Module]):
@@ -243,7 +301,8 @@ class LocalActor:
         weight = None if batch.step_weights is None else batch.step_weights[:, k].to(log_prob)
         if self.correction.mode == "bypass" and self.bounds is not None:
             mask = in_bounds(log_prob - batch.log_probs[:, k].to(log_prob), self.bounds)
-            self._masked.append((1 - mask.mean(), len(mask)))
+            if not self._dummy:
+                self._masked.append((1 - mask.mean(), len(mask)))
             weight = mask if weight is None else weight * mask
         return weight
 
@@ -261,9 +320,11 @@ class LocalActor:
         old_policy = "old" if self.algo.samples_from_old else "current"
         micro = self.cfg.micro_batch_size or max(len(batch), 1)
         lps, means = [], []
-        for part in torch.arange(len(batch)).split(micro):
-            sub = batch.select(part)
+        for part in self._lockstep(list(torch.arange(len(batch)).split(micro)), self._sizes or [len(batch)]):
+            sub = batch.select(torch.zeros(1, dtype=torch.long) if part is None else part)
             outs = [self.step(sub, k, policy=old_policy) for k in range(batch.log_probs.shape[1])]
+            if part is None:  # a padding forward (see `_lockstep`)
+                continue
             lps.append(torch.stack([o.log_prob for o in outs], 1).float())
             means.append({name: torch.stack([o.mean[name] for o in outs], 1).float() for name in outs[0].mean})
         batch.old_log_probs = torch.cat(lps)
@@ -293,13 +354,16 @@ class LocalActor:
         # ~100 MB per SD3 micro-batch, and every host-to-device copy from pageable memory stalls the GPU queue
         batch = algo.prepare(batch).to(self.adapter.device)
         sizes = [int(n) for n in self.engine.gather(torch.tensor([len(batch)], device=self.engine.device)).tolist()]
-        b, offset = sum(sizes), sum(sizes[: self.engine.rank])
+        b, offset = sum(sizes), sum(sizes[: self.engine.dp_rank])
+        self._sizes = sizes
         if b == 0:  # e.g. online DPO when every group's rewards are equal: nothing to learn from
             self._update_old(algo)
             return {"train/samples": 0.0}
         extra = self.prepare_old(batch)
         self._masked = []
         terms = algo.num_terms(batch) if len(batch) else 1
+        # the mini-batch normalisation: by samples, or by the algorithm's per-sample weights (e.g. response tokens)
+        weights = algo.loss_weights(batch) if hasattr(algo, "loss_weights") else None
         stats: dict[str, list] = {}
         order = torch.randperm(b, generator=generator)
         self.train_mode(True)
@@ -307,20 +371,31 @@ class LocalActor:
             self.optimizer.zero_grad(set_to_none=True)
             mine = mb[(mb >= offset) & (mb < offset + len(batch))] - offset
             micro = self.cfg.micro_batch_size or max(len(mine), 1)
-            for part in mine.split(micro):
+            total = None if weights is None else float(self.engine.sum(weights[mine.to(weights.device)].sum()))
+            shares = [int(((mb >= o) & (mb < o + n)).sum()) for o, n in zip(_offsets(sizes), sizes, strict=True)]
+            for part in self._lockstep(list(mine.split(micro)), shares):
+                self._dummy = part is None  # a zero-weight forward and backward that keeps the ranks in step
+                if self._dummy:
+                    part = torch.zeros(1, dtype=torch.long)
                 sub = batch.select(part)
+                share = len(part) / len(mb) if weights is None else float(weights[part.to(weights.device)].sum()) / max(total, 1e-12)
+                share = 0.0 if self._dummy else share
+                # a stat's weight: the micro-batch's samples (or its normalisation weight, e.g. response tokens)
+                weight = len(part) if weights is None else float(weights[part.to(weights.device)].sum())
                 for k in range(terms):
                     loss, st = algo.step_loss(self, sub, k)
-                    (loss * (len(part) / len(mb)) / terms).backward()
+                    (loss * share / terms).backward()
+                    if self._dummy:
+                        continue
                     # stats stay on the device until the update ends: a float() here would sync every step
                     for name, value in st.items():
-                        stats.setdefault(name, []).append((value.detach() if torch.is_tensor(value) else value, len(part)))
+                        stats.setdefault(name, []).append((value.detach() if torch.is_tensor(value) else value, weight))
                     if i == 0 and "ratio_absdev" in st:
                         # before any update the ratio is 1 up to rollout-vs-training kernel differences: this is
                         # that difference, the number rollout correction exists for (§4)
                         stats.setdefault("ratio_absdev/first_minibatch", []).append((st["ratio_absdev"].detach(), len(part)))
-            self.engine.all_reduce_grads(self.params)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+            self._dummy = False
+            grad_norm = self._reduce_and_clip()
             if not torch.isfinite(grad_norm):
                 raise FloatingPointError(f"non-finite gradient norm {grad_norm}")
             self.optimizer.step()
@@ -356,22 +431,26 @@ class LocalActor:
             else:
                 state = network.state_dict()
             out.update({f"{name}.{k}": v.detach().contiguous() for k, v in state.items()})
-        return out
+        return untie(out)
 
     def save_weights(self, directory: Path) -> None:
+        old = None if self.old_params is None else {n: o for n, o in zip(self.param_names, self.old_params, strict=True)}
+        self._write_weights(directory, self.trainable_state(), old)
+
+    def _write_weights(self, directory: Path, state: dict[str, torch.Tensor], old: dict[str, torch.Tensor] | None,
+                       **meta) -> None:
+        """The weight files of a checkpoint (full tensors) and weights.json with `meta` added."""
         directory.mkdir(parents=True, exist_ok=True)
-        state = self.trainable_state()
         if self.lora:  # one file, keys `<network>.<peft key>` (the diffusers pipeline LoRA layout)
             save_file(state, str(directory / "adapter_model.safetensors"))
         else:  # one file per network: `transformer.safetensors`, ...
             for name, part in split_by_network(state, list(self.adapter.modules())).items():
                 save_file(part, str(directory / f"{name}.safetensors"))
-        if self.old_params is not None:  # the EMA / old policy, so that a resumed run continues exactly
-            save_file({n: o.contiguous() for n, o in zip(self.param_names, self.old_params, strict=True)},
-                      str(directory / "old_weights.safetensors"))
+        if old is not None:  # the EMA / old policy, so that a resumed run continues exactly
+            save_file({n: o.contiguous() for n, o in old.items()}, str(directory / "old_weights.safetensors"))
         meta = {"lora": self.lora, "lora_rank": self.cfg.lora_rank, "lora_alpha": self.cfg.lora_alpha,
                 "lora_targets": self.lora_targets, "networks": list(self.adapter.modules()),
-                "updates": self.num_updates}
+                "updates": self.num_updates, **meta}
         (directory / "weights.json").write_text(json.dumps(meta, indent=2))
 
     def load_weights(self, directory: Path) -> None:
@@ -380,11 +459,47 @@ class LocalActor:
         self.num_updates = int(json.loads((directory / "weights.json").read_text()).get("updates", 0))
         if self.old_params is not None:
             path = directory / "old_weights.safetensors"
+            if not path.is_file() and (directory / DCP_DIR).is_dir():  # written sharded (actor.backend=fsdp2)
+                load_sharded(directory / DCP_DIR, {"old": dict(zip(self.param_names, self.old_params, strict=True))})
+                return
             if not path.is_file():
                 raise FileNotFoundError(f"{directory} has no old_weights.safetensors (the EMA copy this run needs)")
             state = load_file(str(path))
             for n, o in zip(self.param_names, self.old_params, strict=True):
                 o.copy_(state[n])
+
+    def optimizer_state(self) -> dict:
+        """What trainer_state.pt keeps of the optimizer: its whole state here (a sharded actor keeps it in distcp/)."""
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, directory: Path, saved: dict) -> None:
+        """The optimizer state of a checkpoint: trainer_state.pt's, or gathered from distcp/ (actor.backend=fsdp2)."""
+        if "sharded" not in saved:
+            self.optimizer.load_state_dict(saved)
+            return
+        load_sharded(Path(directory) / saved["sharded"],
+                     {"optimizer": adam_state(self.optimizer, self.param_names, self.params)})
+        set_hyperparameters(self.optimizer, saved["param_groups"])
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
+    """A saved optimizer's per-group settings (lr, betas, ...) without its parameter lists."""
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"{len(groups)} optimizer parameter groups saved, this run has {len(optimizer.param_groups)}")
+    for group, saved in zip(optimizer.param_groups, groups, strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of each tensor whose storage an earlier entry already holds (tied input / output embeddings, as in
+    small Qwen checkpoints): safetensors refuses to write shared storage; loading assigns both keys again."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in state.items():
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out
 
 
 def split_by_network(state: dict[str, torch.Tensor], names: list[str]) -> dict[str, dict[str, torch.Tensor]]:

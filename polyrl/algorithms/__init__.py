@@ -1,4 +1,15 @@
-from . import diffusion_dpo, diffusion_nft, diffusion_opd, flow_dppo, flow_grpo, grpo_guard  # noqa: F401  (register)
+from . import (  # noqa: F401  (register; dapo, dpo_tokens, grpo_tokens, gspo: the token-policy losses)
+    dapo,
+    diffusion_dpo,
+    diffusion_nft,
+    diffusion_opd,
+    dpo_tokens,
+    flow_dppo,
+    flow_grpo,
+    grpo_guard,
+    grpo_tokens,
+    gspo,
+)
 from .base import (
     ALGORITHMS,
     POLICIES,

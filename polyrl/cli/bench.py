@@ -5,7 +5,9 @@ on a CPU) with `save_pretrained`, loads it back through the adapter's `from_pret
 recipe for `--warmup + --epochs` epochs, and reports the median of the measured epochs: images/s (and frames/s for
 video), seconds per stage, MFU against the matmul rate measured on the same device, peak memory, versions.
 Workloads: `sd35m` (docs/benchmark.md, recipe `sd35m_flowgrpo_bench`), `qwen_image` (`qwen_image_flowgrpo`), `wan22_5b`
-(Wan2.2-TI2V-5B, recipe `wan22_flowgrpo`: full fine-tune at 704×1280, 9 frames).
+(Wan2.2-TI2V-5B, recipe `wan22_flowgrpo`: full fine-tune at 704×1280, 9 frames), `grpo_lm` (GRPO on a
+Qwen3-1.7B-shaped causal LM, recipe `causal_lm_grpo`: 8 prompts × 8 samples, 256 prompt tokens, 512 new tokens;
+reports rollout and training tokens/s).
 """
 
 from __future__ import annotations
@@ -51,14 +53,56 @@ def tiny_spec(words: list[str]):
                        dual_attention_layers=(0,), qk_norm="rms_norm", t5_max_length=16)
 
 
+LM_PROMPT_TOKENS, LM_NEW_TOKENS = 256, 512  # the grpo_lm workload's shape (tiny: 16 and 16)
+
+
+def lm_words(vocab_size: int) -> list[str]:
+    """The word tokenizer's vocabulary for `vocab_size` ids: `<unk>`, the three specials, then words t0, t1, ..."""
+    return [f"t{i}" for i in range(vocab_size - 4)]
+
+
+def build_causal_lm(directory: Path, tiny: bool, device: str) -> Path:
+    """A Qwen3-1.7B-shaped random causal LM (28 layers, d=2048, 16/8 heads of 128, MLP 6144, vocabulary 151,936,
+    tied embeddings) with a word tokenizer over that vocabulary, so every sampled id decodes; tiny: a CPU-sized one."""
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    from ..models.tiny_lm import word_tokenizer
+
+    vocab = 512 if tiny else 151_936
+    tokenizer = word_tokenizer(lm_words(vocab))
+    size = (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8) if tiny else
+            dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128))
+    config = Qwen3Config(vocab_size=len(tokenizer), max_position_embeddings=40_960, rope_theta=1_000_000.0,
+                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **size)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(torch.float32 if tiny else torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def lm_prompts(count: int, tokens: int, vocab_size: int) -> list[dict]:
+    """`count` rows of `tokens` random words (one token each, no chat template) with an `answer` for the reward."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size - 4, (count, tokens), generator=g)
+    return [{"prompt": " ".join(f"t{int(i)}" for i in row), "answer": "1"} for row in ids]
+
+
 def build_pipeline(directory: Path, tiny: bool, device: str, workload: str = "sd35m") -> Path:
     from ..models.tiny import save_tiny_qwen_image, save_tiny_sd3
 
-    if (directory / "model_index.json").is_file():
+    if (directory / "model_index.json").is_file() or (directory / "config.json").is_file():
         return directory
     words = sorted({w for p in bench_prompts(64) for w in p.replace('"', ' " ').split()})
     tmp = directory.with_name(directory.name + ".tmp")
-    if workload == "qwen_image":
+    if workload == "grpo_lm":
+        build_causal_lm(tmp, tiny, device)
+    elif workload == "qwen_image":
         from ..models.tiny import TinyQwenImageSpec, qwen_image_bench_spec
 
         spec = TinyQwenImageSpec(words=words, image_size=64) if tiny else qwen_image_bench_spec(words)
@@ -107,7 +151,8 @@ def versions() -> dict:
     return out
 
 
-def summarize(history: list[dict], warmup: int, images_per_epoch: int, frames_per_sample: int = 0) -> dict:
+def summarize(history: list[dict], warmup: int, images_per_epoch: int, frames_per_sample: int = 0,
+              prompt_tokens: int = 0) -> dict:
     measured = [m for m in history if m.get("step", 0) > warmup and "time/step" in m]
     if not measured:
         raise ValueError("no measured epochs: use --epochs >= 1")
@@ -122,6 +167,12 @@ def summarize(history: list[dict], warmup: int, images_per_epoch: int, frames_pe
         out["ratio_absdev_first_minibatch"] = max(m["ratio_absdev/first_minibatch"] for m in measured)
     if all("perf/mfu" in m for m in measured):
         out["mfu"] = med("perf/mfu")
+    if all("response_length/mean" in m for m in measured):  # a token policy: tokens/s of each stage
+        response = [images_per_epoch * m["response_length/mean"] for m in measured]
+        out["response_tokens_per_epoch"] = statistics.median(response)
+        out["rollout_tokens_per_s"] = statistics.median(r / m["time/rollout"] for r, m in zip(response, measured, strict=True))
+        out["train_tokens_per_s"] = statistics.median(
+            (r + images_per_epoch * prompt_tokens) / m["time/train"] for r, m in zip(response, measured, strict=True))
     return out
 
 
@@ -136,7 +187,11 @@ def first_epoch(history: list[dict], setup_s: float) -> dict:
 
 def table(result: dict) -> str:
     s = result["summary"]
-    rows = [("images/s" if "frames_per_s" not in s else "videos/s", f"{s['images_per_s']:.3f}")]
+    unit = "videos/s" if "frames_per_s" in s else "samples/s" if "rollout_tokens_per_s" in s else "images/s"
+    rows = [(unit, f"{s['images_per_s']:.3f}")]
+    if "rollout_tokens_per_s" in s:
+        rows += [("rollout tokens/s", f"{s['rollout_tokens_per_s']:.0f}"),
+                 ("training tokens/s (prompt + response)", f"{s['train_tokens_per_s']:.0f}")]
     if "frames_per_s" in s:
         rows.append(("frames/s", f"{s['frames_per_s']:.3f}"))
     rows.append(("s/epoch", f"{s['seconds_per_epoch']:.2f}"))
@@ -164,11 +219,17 @@ WORKLOADS = {  # name -> (recipe, extra overrides at full size)
                                            "trainer.tensorboard=false"]),
     # the Wan2.2 recipe's shape and work per video (704×1280, 9 frames, 10 steps, window 2, CFG 5, full fine-tune);
     # 2 prompts × 8 videos per step instead of 64 × 8 (videos/s does not depend on it at a fixed per-call batch)
+    # GRPO on a Qwen3-1.7B-shaped LM: 8 prompts × 8 samples, 256 prompt tokens, exactly 512 new tokens (no stop:
+    # random weights rarely sample EOS), LoRA r=32 and 4 minibatches as the recipe sets them
+    "grpo_lm": ("causal_lm_grpo", ["data.prompts_per_step=8", "rollout.n=8", "rollout.batch_size=64",
+                                   f"rollout.max_new_tokens={LM_NEW_TOKENS}", "model.max_sequence_length=1024",
+                                   "trainer.eval_every=0", "trainer.save_every=0", "trainer.tensorboard=false"]),
     "wan22_5b": ("wan22_flowgrpo", ["data.prompts_per_step=2", "rollout.batch_size=4", "actor.micro_batch_size=1",
                                     "actor.num_minibatches=1", "model.max_sequence_length=512", "trainer.eval_every=0",
                                     "trainer.save_every=0", "trainer.tensorboard=false"]),
 }
 TINY = {  # name -> overrides that make the workload's tiny pipeline run on a CPU in seconds
+    "grpo_lm": ["rollout.max_new_tokens=16", "data.prompts_per_step=2", "rollout.n=4", "model.dtype=float32"],
     "sd35m": ["rollout.height=64", "rollout.width=64", "rollout.n=4", "data.prompts_per_step=2", "model.dtype=float32",
               "model.compile=none", "model.max_sequence_length=16", "actor.micro_batch_size=4"],
     "qwen_image": ["rollout.height=64", "rollout.width=64", "rollout.n=4", "data.prompts_per_step=2",
@@ -191,8 +252,15 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
     t0 = time.perf_counter()
     model_dir = build_pipeline(model_dir or out / f"{workload}_{'tiny' if tiny else 'random'}", tiny, device.type, workload)
     build_s = time.perf_counter() - t0
-    prompts = out / "prompts.txt"
-    prompts.write_text("\n".join(bench_prompts(64)) + "\n")
+    prompt_tokens = 0
+    if workload == "grpo_lm":
+        prompt_tokens = 16 if tiny else LM_PROMPT_TOKENS
+        prompts = out / "prompts.jsonl"
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in lm_prompts(64, prompt_tokens, vocab)))
+    else:
+        prompts = out / "prompts.txt"
+        prompts.write_text("\n".join(bench_prompts(64)) + "\n")
     peak = measure_matmul_tflops(device)
     recipe, extra = WORKLOADS[workload]
     base = [f"recipe={recipe}", *extra, f"model.path={model_dir}", f"data.path={prompts}",
@@ -220,10 +288,13 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
         "workload": recipe + (" (tiny)" if tiny else ""),
         "date": time.strftime("%Y-%m-%d"), "device": stack.get("gpu", platform.processor() or "cpu"),
         "versions": stack, "overrides": list(overrides), "build_pipeline_s": build_s,
-        "precision": f"transformer {cfg.model.dtype} (autocast), trainable master weights float32, step math float32, "
-                     f"VAE weights float32 (decode autocast to the network dtype), compile={cfg.model.compile}",
+        "precision": (f"network {cfg.model.dtype}, trainable master weights float32, log-probs from float32 logits, "
+                      f"compile={cfg.model.compile}" if prompt_tokens else
+                      f"transformer {cfg.model.dtype} (autocast), trainable master weights float32, step math float32, "
+                      f"VAE weights float32 (decode autocast to the network dtype), compile={cfg.model.compile}"),
         "peak_tflops": cfg.trainer.peak_tflops,
-        "summary": {**summarize(history, warmup, images, cfg.rollout.num_frames), **first_epoch(history, setup_s)},
+        "summary": {**summarize(history, warmup, images, cfg.rollout.num_frames, prompt_tokens),
+                    **first_epoch(history, setup_s)},
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "history": history,
     }

@@ -93,7 +93,9 @@ def cmd_train(args: list[str]) -> int:
     trainer = Trainer(cfg, overrides=[a for spec in imports for a in ("--import", spec)] + overrides)
     main = trainer.engine.is_main
     if main:
-        ranks = f", {trainer.engine.world_size} data-parallel ranks" if trainer.engine.world_size > 1 else ""
+        dims = trainer.engine.dims  # only the dp ranks hold different samples; sp / tp ranks split one sample
+        layout = [f"{d}={getattr(dims, d)}" for d in ("dp", "sp", "tp") if getattr(dims, d) > 1]
+        ranks = f", {trainer.engine.world_size} ranks: {' '.join(layout)}" if trainer.engine.world_size > 1 else ""
         print(f"polyrl: run directory {trainer.run_dir} ({trainer.actor.num_trainable:,} trainable parameters, "
               f"device {trainer.device}{ranks})", file=sys.stderr)
     try:

@@ -6,6 +6,9 @@ then the SD3 transformer and its CLIP text encoder learn rectified flow on the f
 σ, 10% empty-prompt dropout so CFG works). The result is a diffusers directory that the `sd3` adapter loads like
 any real checkpoint.
 
+`--task count` (`pretrain_count.py`): the toy text model, a tiny Qwen3-class causal LM that counts the shapes
+named in a scene description; `model=causal_lm` loads it.
+
 `--task motion`: moving shapes (`polyrl.toy.motion_task`), a Wan2.1-layout text-to-video model trained the same
 way (`pretrain_motion`): an AutoencoderKLWan on rendered clips, then the WanTransformer3DModel and its UMT5 encoder
 with rectified flow on the frozen VAE's normalised latents; the `wan` adapter loads the result.
@@ -394,6 +397,7 @@ def evaluate_motion(path: str | Path, prompts_file: str | Path, n: int = 64, num
 DEFAULTS = {
     "shapes": dict(out="toy_shapes", vae_steps=1000, steps=2500, num_images=16000, batch=64),
     "motion": dict(out="toy_motion", vae_steps=400, steps=2000, num_images=4000, batch=32),
+    "count": dict(out="toy_count", vae_steps=0, steps=600, num_images=0, batch=64),  # a text model: no VAE, no images
 }
 
 
@@ -403,7 +407,8 @@ def main(args: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="polyrl pretrain-toy", description="train an embedded toy base model")
     p.add_argument("--task", choices=tuple(DEFAULTS), default="shapes",
-                   help="shapes: the text-to-image default (toy_shapes); motion: the text-to-video one (toy_motion)")
+                   help="shapes: the text-to-image default (toy_shapes); motion: the text-to-video one (toy_motion); "
+                        "count: the text default, a tiny causal LM (toy_count)")
     p.add_argument("--out", default=None, help="model directory (default: polyrl/assets/toy_<task>)")
     p.add_argument("--prompts-dir", default=str(ASSETS / "prompts"))
     p.add_argument("--vae-steps", type=int, default=None)
@@ -413,7 +418,7 @@ def main(args: list[str]) -> int:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--vae-batch", type=int, default=16, help="motion: clips per VAE step")
     p.add_argument("--eval-samples", type=int, default=64,
-                   help="motion: held-out prompts sampled after training, reward recorded in pretrain.json (0: skip)")
+                   help="motion, count: held-out prompts sampled after training, reward recorded in pretrain.json (0: skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     a = p.parse_args(args)
@@ -423,6 +428,11 @@ def main(args: list[str]) -> int:
     if a.task == "shapes":
         path = pretrain_toy(out, vae_steps=budget["vae_steps"], steps=budget["steps"], num_images=budget["num_images"],
                             batch=budget["batch"], seed=a.seed, prompts_dir=a.prompts_dir, device=a.device)
+    elif a.task == "count":
+        from .pretrain_count import pretrain_count
+
+        path = pretrain_count(out, steps=budget["steps"], batch=budget["batch"], seed=a.seed, prompts_dir=a.prompts_dir,
+                              device=a.device, eval_samples=a.eval_samples)
     else:
         path = pretrain_motion(out, vae_steps=budget["vae_steps"], steps=budget["steps"], num_clips=budget["num_images"],
                                batch=budget["batch"], seed=a.seed, prompts_dir=a.prompts_dir, device=a.device,

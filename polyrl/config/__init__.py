@@ -17,7 +17,8 @@ if not OmegaConf.has_resolver("polyrl_asset"):
 
 
 CONFIG_DIR = Path(__file__).resolve().parent
-GROUPS = ("recipe", "model", "algorithm", "reward", "actor", "rollout", "data", "trainer", "rollout_correction")
+GROUPS = ("recipe", "model", "algorithm", "reward", "actor", "rollout", "data", "trainer", "rollout_correction",
+          "parallel", "ray")
 
 
 def group_options(group: str) -> list[str]:
@@ -120,6 +121,9 @@ COMMON_KEYS = (
     ("trainer.save_every", "steps between checkpoints"),
     ("trainer.eval_every", "steps between held-out evaluations and sample grids"),
     ("trainer.loggers", "[tensorboard] | [tensorboard,wandb] | [tensorboard,mlflow] | ..."),
+    ("rollout.max_new_tokens", "token models: response length (also rollout.temperature, rollout.top_p)"),
+    ("actor.backend", "local | fsdp2 (torchrun; parallel.dp_shard, .dp_replicate, .sp, .tp; docs/distributed.md)"),
+    ("trainer.launcher", "local | ray (rollout.workers, ray.reward_workers, ray.address; docs/ray.md)"),
 )
 
 
@@ -177,6 +181,12 @@ def _allowed_under(parent: str | None, overrides: list[str]) -> str:
         cls = (REWARDS if parent == "reward" else ALGORITHMS)[name]
         extra = ["async", "frame_reduce", "frames", "name"] if parent == "reward" else ["name"]
         return ", ".join(sorted(inspect.signature(cls).parameters) + extra)
+    if parent == "model.options":  # a model's own options (its class's `options`, e.g. models/ltx2.py)
+        from ..models import MODELS
+
+        rest = [o for o in overrides if not o.lstrip("+~").startswith(parent + ".")]
+        name = _compose(rest).model.name
+        return ", ".join(sorted(getattr(MODELS.get(name), "options", {}))) or f"(none for model.name={name})"
     schema = OmegaConf.structured(Config)
     node = OmegaConf.select(schema, parent) if parent else schema
     return ", ".join(sorted(node.keys())) if isinstance(node, DictConfig) else "?"

@@ -38,6 +38,9 @@ class ModelConfig:
     # guidance-embedding models with optional true CFG (FLUX.1): > 1 adds true CFG with rollout.negative_prompt on top
     # of the embedded guidance (rollout.guidance_scale); 1: off
     true_cfg_scale: float = 1.0
+    # model-specific options: keys and defaults are the model class's `options` (validated here before anything
+    # loads; LTX-2: per-stream guidance, STG, modality guidance, rescale, cross timestep, frame rate: models/ltx2.py)
+    options: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -59,6 +62,17 @@ class RolloutConfig:
     sde_window_every: int = 1  # progressive: training steps between window slides
     shared_initial_noise: bool = False  # one initial noise per prompt group (DanceGRPO)
     log_density: str = "gaussian"  # gaussian | squared_distance (flow_grpo's cps score; sampling/steps.py)
+    # token policies (model=causal_lm, ...; docs/tokens.md): response length, π = softmax(logits / temperature),
+    # nucleus sampling, and strings that end a response (the token completing one is kept)
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list = field(default_factory=list)
+    # trainer.launcher=ray (docs/ray.md): K > 0 samples on K rollout replicas that receive the weights after every
+    # update (0: the rollout runs in the actor's process); max_staleness k > 0 lets those replicas sample the next k
+    # steps while the actor updates (one-step-off-policy for k = 1; rollout_correction then defaults to decoupled)
+    workers: int = 0
+    max_staleness: int = 0
 
 
 @dataclass
@@ -104,13 +118,38 @@ class TrainerConfig:
     tensorboard: bool = True  # false: leave tensorboard out of `loggers`
     loggers: list = field(default_factory=lambda: ["tensorboard"])  # any of LOGGERS (trainer/logging.py)
     peak_tflops: float | None = None  # the device's measured dense bf16 rate: enables perf/mfu in the metrics
+    launcher: str = "local"  # local (this process, or torchrun ranks) | ray (worker groups on Ray: docs/ray.md)
 
 
 @dataclass
 class RolloutCorrectionConfig:
-    mode: str = "bypass"  # bypass | recompute | decoupled (docs/algorithms.md §4)
+    mode: str | None = None  # bypass | recompute | decoupled (docs/algorithms.md §4); None: decoupled when the
+    # rollout may be stale (rollout.max_staleness > 0) and the algorithm uses log-probs, else bypass
     is_cap: float = 2.0  # decoupled: w = min(exp(log p_old − log p_rollout), is_cap)
     log_ratio_bounds: list | None = None  # [lo, hi]: reject sample-steps whose log-ratio falls outside
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of parallelism over the `torchrun` world (actor.backend=fsdp2; docs/distributed.md)."""
+
+    dp_replicate: int = 1  # data-parallel groups that each hold a full copy of the (sharded) weights (HSDP)
+    dp_shard: int = -1  # data-parallel ranks the weights are sharded over (FSDP2); -1: the ranks left over
+    sp: int = 1  # Ulysses sequence parallel: the transformer's tokens split over sp ranks (heads in attention)
+    tp: int = 1  # tensor parallel: the transformer blocks' heads and MLPs split over tp ranks (DTensor)
+
+
+@dataclass
+class RayConfig:
+    """trainer.launcher=ray (docs/ray.md): the cluster and the worker groups' resources."""
+
+    address: str | None = None  # an existing cluster (auto, ray://host:10001, host:6379); None or "": a local Ray
+    num_cpus: int | None = None  # a local Ray's CPUs (None: Ray counts them)
+    reward_workers: int = 1  # reward workers in their own pool (0: score in the driver)
+    worker_cpus: float = 1.0  # CPUs each rollout replica and reward worker reserves
+    rollout_gpus: float | None = None  # GPUs per rollout replica (None: 1 when the actor is on a GPU, else 0)
+    reward_gpus: float = 0.0  # GPUs per reward worker
+    max_restarts: int = 3  # times Ray restarts a worker whose process died; its calls are sent again
 
 
 @dataclass
@@ -124,6 +163,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
 
 class ConfigError(ValueError):
@@ -158,6 +199,33 @@ def _check_kwargs(group: str, cfg: dict, registry: dict) -> None:
             _check_kwargs(sub_group, sub_cfg, registry)
 
 
+def _check_launcher(cfg: DictConfig) -> None:
+    """trainer.launcher, ray.* and the rollout pool keys (docs/ray.md)."""
+    import importlib.util
+
+    t, r, ray = cfg.trainer, cfg.rollout, cfg.ray
+    _check_choice("trainer.launcher", t.launcher, ["local", "ray"])
+    for key, value in (("rollout.workers", r.workers), ("rollout.max_staleness", r.max_staleness),
+                       ("ray.reward_workers", ray.reward_workers), ("ray.max_restarts", ray.max_restarts),
+                       ("ray.worker_cpus", ray.worker_cpus), ("ray.reward_gpus", ray.reward_gpus)):
+        if value < 0:
+            raise ConfigError(f"{key}={value} must be >= 0")
+    if t.launcher != "ray":
+        if r.workers > 0:
+            raise ConfigError(f"rollout.workers={r.workers} is a pool of Ray workers: set trainer.launcher=ray")
+        return
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("trainer.launcher=ray needs Ray, which is not installed: pip install 'polyrl[ray]'")
+    if r.max_staleness > 0 and r.workers == 0:
+        raise ConfigError(f"rollout.max_staleness={r.max_staleness} overlaps the rollout with the update, which needs "
+                          "a separate rollout pool: set rollout.workers >= 1")
+    if r.workers > 0 and cfg.data.pairs_path is not None:
+        raise ConfigError("rollout.workers is set but data.pairs_path trains on offline pairs, without a rollout")
+    if cfg.actor.backend != "local":
+        raise ConfigError(f"trainer.launcher=ray drives actor.backend=local; actor.backend={cfg.actor.backend} is "
+                          "launched with torchrun (docs/distributed.md)")
+
+
 def validate(raw: DictConfig) -> DictConfig:
     """Merge into the schema and check values and combinations; raises ConfigError with a one-line message."""
     schema = OmegaConf.structured(Config)
@@ -184,6 +252,11 @@ def validate(raw: DictConfig) -> DictConfig:
     _check_choice("model.name", cfg.model.name, sorted(MODELS))
     _check_choice("model.dtype", cfg.model.dtype, DTYPES)
     _check_choice("model.compile", cfg.model.compile, ("none", "blocks", "full"))
+    model_options = getattr(MODELS[cfg.model.name], "options", {})
+    for key in cfg.model.options:
+        if key not in model_options:
+            raise ConfigError(f"unknown key model.options.{key} for model.name={cfg.model.name}; allowed: "
+                              f"{', '.join(sorted(model_options)) or '(none)'}")
     for key in ("condition_size", "vl_condition_size"):
         if cfg.model[key] is not None and cfg.model[key] < 32:
             raise ConfigError(f"model.{key}={cfg.model[key]} must be >= 32 (condition sides are multiples of 32 px)")
@@ -193,6 +266,25 @@ def validate(raw: DictConfig) -> DictConfig:
     for logger in cfg.trainer.loggers:
         _check_choice("trainer.loggers", logger, ("tensorboard", "wandb", "mlflow"))
     _check_kwargs("algorithm", OmegaConf.to_container(cfg.algorithm), ALGORITHMS)
+    from ..models.base import policy_kind
+
+    # a model is a diffusion or a token policy, and a loss trains one kind (models/base.py, docs/tokens.md)
+    model_kind, algo_kind = policy_kind(MODELS[cfg.model.name]), policy_kind(ALGORITHMS[cfg.algorithm.name])
+    if model_kind != algo_kind:
+        fitting = sorted(n for n, c in ALGORITHMS.items() if policy_kind(c) == model_kind)
+        raise ConfigError(f"algorithm={cfg.algorithm.name} trains {algo_kind} policies, but model={cfg.model.name} is a "
+                          f"{model_kind} policy; algorithms for {model_kind} policies: {', '.join(fitting)}")
+    if model_kind == "tokens":
+        r = cfg.rollout
+        if r.max_new_tokens < 1:
+            raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
+        if r.temperature <= 0:
+            raise ConfigError(f"rollout.temperature={r.temperature} must be > 0 (the policy is softmax(logits / T); "
+                              "the held-out evaluation decodes greedily on its own)")
+        if not 0 < r.top_p <= 1:
+            raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
+        if not all(isinstance(x, str) and x for x in r.stop):
+            raise ConfigError(f"rollout.stop={list(r.stop)} must be a list of non-empty strings")
     reward_cfg = OmegaConf.to_container(cfg.reward)
     overlap = reward_cfg.pop("async", False)  # a reward-stage option (rewards/stage.py), for every reward
     if not isinstance(overlap, bool):
@@ -204,6 +296,23 @@ def validate(raw: DictConfig) -> DictConfig:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_kwargs("reward", reward_cfg, REWARDS)
+    from ..models.base import token_media
+    from ..rewards.base import reward_inputs, reward_media
+
+    # a token policy declares the media its rollout carries (`media`, default text: models.base.token_media): its
+    # reward must read one of them, and a text-only reward cannot score a diffusion model
+    if model_kind == "tokens":
+        produced = set(token_media(MODELS[cfg.model.name]))
+        if not produced & reward_media(REWARDS[reward_cfg["name"]]):
+            kinds = " or ".join(sorted(produced))
+            fitting = sorted(n for n, c in REWARDS.items() if produced & reward_media(c))
+            raise ConfigError(f"reward={reward_cfg['name']} does not score {kinds}, which model={cfg.model.name} "
+                              f"outputs; rewards for {kinds}: {', '.join(fitting)}")
+        if "images" not in reward_inputs(REWARDS[reward_cfg["name"]]):
+            raise ConfigError(f"reward={reward_cfg['name']} reads latents only, which model={cfg.model.name} (a token "
+                              "policy) does not have")
+    if model_kind == "diffusion" and reward_media(REWARDS[reward_cfg["name"]]) == {"text"}:
+        raise ConfigError(f"reward={reward_cfg['name']} scores text only, but model={cfg.model.name} outputs media")
     r = cfg.rollout
     for key in ("height", "width", "num_steps", "n", "batch_size"):
         if r[key] < 1:
@@ -241,7 +350,10 @@ def validate(raw: DictConfig) -> DictConfig:
         allowed = sorted(n for n, c in ALGORITHMS.items() if getattr(c, "trains_on_pairs", False))
         raise ConfigError(f"data.pairs_path is set but algorithm {cfg.algorithm.name} does not train on preference "
                           f"pairs; allowed: {', '.join(allowed)}")
+    _check_launcher(cfg)
     rc = cfg.rollout_correction
+    if rc.mode is None:  # a stale rollout is corrected unless the run says otherwise (docs/ray.md)
+        rc.mode = "decoupled" if r.max_staleness > 0 and uses_log_probs else "bypass"
     _check_choice("rollout_correction.mode", rc.mode, ["bypass", "recompute", "decoupled"])
     if rc.mode != "bypass" and not uses_log_probs:
         raise ConfigError(f"rollout_correction.mode={rc.mode} needs log-probabilities, which algorithm "
@@ -252,7 +364,13 @@ def validate(raw: DictConfig) -> DictConfig:
             len(rc.log_ratio_bounds) == 2 and float(rc.log_ratio_bounds[0]) < float(rc.log_ratio_bounds[1])):
         raise ConfigError(f"rollout_correction.log_ratio_bounds={list(rc.log_ratio_bounds)} must be [lo, hi] with lo < hi")
     a = cfg.actor
-    _check_choice("actor.backend", a.backend, ["local"])
+    _check_choice("actor.backend", a.backend, ["local", "fsdp2"])
+    from ..distributed.plan import check_parallel_config
+
+    try:  # world size, degrees, the model's plan and heads: before any process group starts
+        check_parallel_config(cfg, MODELS[cfg.model.name])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if not 0 <= a.ema_decay < 1:
         raise ConfigError(f"actor.ema_decay={a.ema_decay} must be in [0, 1)")
     if a.lora_rank < 0:

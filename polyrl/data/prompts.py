@@ -1,12 +1,14 @@
 """Prompt datasets: a .txt (one prompt per line), or .jsonl / .parquet with a `prompt` column.
 
-Other columns travel as per-prompt metadata to the reward (e.g. the shapes task's object groups). Bad rows are
-reported by line number; nothing is skipped silently.
+Other columns travel as per-prompt metadata to the reward (e.g. the shapes task's object groups; for token
+policies the `answer` column, the reference the rule rewards `math_answer` / `choice` compare against, a string or
+a number as the file has it). Bad rows are reported by line number; nothing is skipped silently.
 
 Condition images (edit and image-to-video models): a .jsonl / .parquet row may carry `image`, one path or a list of
 paths relative to the data file's folder. `load_prompts` makes them absolute and checks they exist; `split_row`
 turns such a row's prompt into `{"text": prompt, "images": [absolute paths]}` and keeps `image` in the metadata
-(the source image of edit rewards).
+(the source image of edit rewards). `audio` and `video` columns (model=qwen3_omni) are resolved and checked the
+same way and reach the prompt as `"audio"` / `"videos"` lists.
 """
 
 from __future__ import annotations
@@ -58,6 +60,30 @@ def _resolve_images(row: dict, folder: Path, where: str, required: bool) -> None
     row["image"] = resolved[0] if isinstance(value, str) else resolved
 
 
+# Condition audio and video (models that read them: model=qwen3_omni): `audio` / `video` columns, like `image`, hold a
+# path or a list of paths relative to the data file's folder; they are resolved and checked the same way.
+MEDIA_COLUMNS = {"audio": "audio", "video": "videos"}  # column -> the key of the prompt dict (split_row)
+
+
+def _resolve_media(row: dict, folder: Path, where: str) -> None:
+    """`row["audio"]` / `row["video"]` (a path or a list of paths) -> absolute paths, each checked to exist;
+    ValueError naming `where` (file and line), the column and the path. Absent columns are fine."""
+    for column in MEDIA_COLUMNS:
+        value = row.get(column)
+        if value is None:
+            continue
+        paths = [value] if isinstance(value, str) else value
+        if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p.strip() for p in paths):
+            raise ValueError(f"{where}: '{column}' must be a path or a non-empty list of paths, got {value!r}")
+        resolved = []
+        for p in paths:
+            full = os.path.normpath(folder.absolute() / p)
+            if not os.path.isfile(full):
+                raise ValueError(f"{where}: {column} {p!r} does not exist (looked for {full})")
+            resolved.append(full)
+        row[column] = resolved[0] if isinstance(value, str) else resolved
+
+
 def load_prompts(path: str | Path, require_image: bool = False) -> list[dict]:
     """Rows of a prompt file; with `require_image` every row must carry `image` (MissingConditionImage otherwise)."""
     path = Path(path)
@@ -83,6 +109,7 @@ def load_prompts(path: str | Path, require_image: bool = False) -> list[dict]:
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
                 raise ValueError(f"{path}:{n}: each row needs a non-empty string 'prompt'")
             _resolve_images(row, path.parent, f"{path}:{n}", require_image)
+            _resolve_media(row, path.parent, f"{path}:{n}")
             rows.append(row)
     else:
         import pyarrow.parquet as pq
@@ -97,6 +124,7 @@ def load_prompts(path: str | Path, require_image: bool = False) -> list[dict]:
             if not isinstance(row["prompt"], str) or not row["prompt"].strip():
                 raise ValueError(f"{path}: row {n}: 'prompt' must be a non-empty string")
             _resolve_images(row, path.parent, f"{path}: row {n}", require_image)
+            _resolve_media(row, path.parent, f"{path}: row {n}")
             rows.append(row)
     if not rows:
         raise ValueError(f"{path}: holds no prompts (the file is empty or only blank lines)")
@@ -118,9 +146,14 @@ def split_row(row: dict) -> tuple[str | dict, dict]:
     every other column (`image` included)."""
     meta = {k: v for k, v in row.items() if k != "prompt"}
     image = row.get("image")
-    if image is None:
+    media = {key: [row[c]] if isinstance(row[c], str) else list(row[c])
+             for c, key in MEDIA_COLUMNS.items() if row.get(c) is not None}
+    if image is None and not media:
         return row["prompt"], meta
-    return {"text": row["prompt"], "images": [image] if isinstance(image, str) else list(image)}, meta
+    prompt = {"text": row["prompt"]}
+    if image is not None:
+        prompt["images"] = [image] if isinstance(image, str) else list(image)
+    return prompt | media, meta
 
 
 class PromptSampler:

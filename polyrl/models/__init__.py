@@ -1,5 +1,11 @@
 # importing a family's file registers its models (flux: + flux_kontext; qwen_image_edit: + qwen_image_edit_plus)
-from . import flux, flux2, qwen_image, qwen_image_edit, sd3, wan  # noqa: F401
+# causal_lm: the token policy of any transformers causal LM (docs/tokens.md)
+from . import ace_step, causal_lm, flux, flux2, ltx2, qwen_image, qwen_image_edit, sd3, stable_audio, stable_audio3, wan  # noqa: F401
+from .bagel import BagelPolicy  # noqa: F401  (model=bagel: BAGEL-7B-MoT text-to-image)
 from .base import MODELS, Cond, DiffusionPolicy, Guidance, Prompt, build_model, register_model
+from .hunyuan_image import HunyuanImagePolicy  # noqa: F401
+from .janus_pro import JanusProPolicy  # noqa: F401  (model=janus_pro: image tokens as a token policy)
+from .qwen3_omni import Qwen3OmniPolicy  # noqa: F401  (model=qwen3_omni: the Qwen3-Omni thinker, text out)
+from .z_image import ZImagePolicy  # noqa: F401
 
 __all__ = ["MODELS", "Cond", "DiffusionPolicy", "Guidance", "Prompt", "build_model", "register_model"]

@@ -7,6 +7,12 @@ The rollout and the actor only call these methods, so a new family is a new file
 Guidance belongs to the model: `encode_guidance` returns the conditioning its guidance form needs and that every
 sample shares (the negative prompt's embeddings for CFG and true CFG; nothing for guidance-embedding models), and
 `velocity` applies the form (CFG, true CFG with norm rescale, ...). The rollout only carries a scale.
+
+A `TokenPolicy` (causal LMs, the thinker of an omni model, AR image-token models) outputs tokens: it turns prompts
+into token ids (chat template and any condition inputs are its business), runs its network on ids with a KV cache,
+and decodes ids back to text. Which kind a registered model is (`policy_kind`: "diffusion" | "tokens") decides the
+sampler (`sampling/diffusion.py` | `sampling/tokens.py`) and the family of losses that can train it; config
+validation refuses a pair of different kinds.
 """
 
 from __future__ import annotations
@@ -86,9 +92,66 @@ class DiffusionPolicy(Protocol):
         ...
 
 
+class TokenPolicy(Protocol):
+    """An autoregressive policy over a token vocabulary (docs/tokens.md). π(y_t | x, y_<t) = softmax(logits / T),
+    T = `rollout.temperature`: the distribution log-probs are taken from, in the rollout and in training alike
+    (top-p only truncates what the sampler draws, docs/tokens.md "What the log-probs are").
+    """
+
+    policy_kind: str  # "tokens"
+    device: torch.device
+    default_lora_targets: list[str]
+    flops: float  # model FLOPs executed so far (docs/algorithms.md §6)
+    pad_token_id: int
+    eos_token_ids: list[int]  # a sampled token in this list ends its response (and is trained on)
+
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """The trainable networks by name (the live mapping, as for a DiffusionPolicy)."""
+        ...
+
+    def encode_prompts(self, prompts: list[Prompt]) -> tuple[list[list[int]], Cond]:
+        """(prompt token ids per prompt, with the chat template applied where the model has one; per-sample model
+        inputs besides the ids, batch first: {} for a text-only model, pixel values / audio features for one that
+        reads condition media). A prompt the model cannot take is a ValueError naming the reason."""
+        ...
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cond: Cond | None = None,
+                cache: Any = None, keep: int = 0, use_cache: bool = False) -> tuple[torch.Tensor, Any]:
+        """One network call: logits (B, T', V) float32 of the last `keep` positions of `input_ids` (0: all) and the
+        KV cache (`use_cache`: extended with these tokens, else None). `attention_mask` (B, past + T) covers the
+        cached tokens and `input_ids` (B, T); position ids follow from it (left padding). `cache` None: no past
+        (prefill; teacher forcing, which keeps none); `cond` is given with the prompt's tokens (prefill, teacher
+        forcing), None for decoding steps. Differentiable when grad is enabled (the learner's recompute)."""
+        ...
+
+    def encode_responses(self, texts: list[str]) -> list[list[int]]:
+        """Response texts -> ids as the model would generate them, ending with EOS (offline preference pairs)."""
+        ...
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        """Token ids -> text, special tokens skipped."""
+        ...
+
+
+POLICY_KINDS = ("diffusion", "tokens")
+
+
+def policy_kind(cls) -> str:
+    """The kind of policy a registered model class is, or the kind an algorithm class trains: its `policy_kind`
+    attribute, "diffusion" when absent (every model and loss written before token policies)."""
+    return getattr(cls, "policy_kind", "diffusion")
+
+
+def token_media(policy) -> tuple[str, ...]:
+    """The media kinds a token policy's rollout carries (class or instance): its `media` attribute, ("text",) when
+    absent. A kind other than "text" comes from the policy's `decode_media(tokens) -> {kind: batch}` (Janus-Pro's
+    image codes -> {"images": ...}); config validation pairs the reward with these kinds."""
+    return tuple(getattr(policy, "media", ("text",)))
+
+
 MODELS = Registry("model")
 register_model = MODELS.register
 
 
-def build_model(cfg, device: torch.device) -> DiffusionPolicy:
+def build_model(cfg, device: torch.device) -> DiffusionPolicy | TokenPolicy:
     return MODELS.build(cfg.name, cfg, device)

@@ -19,6 +19,23 @@ SD3_LORA_TARGETS = [
     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
 ]
 
+# actor.backend=fsdp2 (distributed/plan.py): each joint block is an FSDP / checkpointing unit. Sequence parallel splits
+# the image tokens after the patch embedder and the text tokens after the context embedder (the joint attention sees
+# image then text; SD3.5's second attention the image only) and gathers the image after proj_out. Tensor parallel
+# splits the heads (q/k/v column-wise, outputs row-wise) and the MLPs; the per-head q/k norms see local heads only.
+SD3_PARALLEL_PLAN = {"transformer": {
+    "blocks": "transformer_blocks", "heads": "num_attention_heads",
+    "sequence": {"split": {"pos_embed": "image", "context_embedder": "text"}, "gather": {"proj_out": "image"},
+                 "attention": {"attn": ["image", "text"], "attn2": ["image"]}},
+    "tensor": {"colwise": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj",
+                           "attn.add_v_proj", "attn2.to_q", "attn2.to_k", "attn2.to_v", "ff.net.0.proj",
+                           "ff_context.net.0.proj"],
+               "rowwise": ["attn.to_out.0", "attn.to_add_out", "attn2.to_out.0", "ff.net.2", "ff_context.net.2"],
+               "heads": ["attn", "attn2"],
+               "local_grads": ["attn.norm_q", "attn.norm_k", "attn.norm_added_q", "attn.norm_added_k", "attn2.norm_q",
+                               "attn2.norm_k"]},
+}}
+
 
 def sd3_forward_flops(config, image_tokens: int, text_tokens: int) -> float:
     """SD3 / SD3.5 MM-DiT (`SD3Transformer2DModel`), one sample with `image_tokens` patches and `text_tokens`
@@ -128,6 +145,7 @@ def use_joint_attention(transformer: torch.nn.Module) -> None:
 @register_model("sd3")
 class SD3Policy(DiffusersPolicy):
     default_lora_targets = SD3_LORA_TARGETS
+    parallel_plan = SD3_PARALLEL_PLAN
     family = "SD3"
 
     def __init__(self, cfg, device: torch.device):

@@ -1,5 +1,6 @@
 from . import (  # noqa: F401  (register the built-in scorers)
     aesthetic,
+    clap,
     clip_score,
     hps,
     http,
@@ -10,6 +11,7 @@ from . import (  # noqa: F401  (register the built-in scorers)
     ocr,
     pickscore,
     preservation,
+    rules,
     shapes,
     vlm_judge,
 )

@@ -12,7 +12,9 @@ Call convention (docs/rewards.md, "Scorers"):
 
 * images: float tensor (B, 3, H, W) in [0, 1];
 * video:  float tensor (B, T, 3, H, W) in [0, 1] (T frames);
-* audio:  an `Audio` (waveform (B, channels, samples) in [-1, 1] and `sample_rate` in Hz).
+* audio:  an `Audio` (waveform (B, channels, samples) in [-1, 1] and `sample_rate` in Hz);
+* text:   a list of B strings, the responses of a token policy (a text reward declares `media = ("text",)`;
+          rewards/rules.py).
 
 A reward declares what it reads with the class attribute `inputs` ("images" when absent; "latents"; or a
 tuple of both). "images" stands for decoded media of any of the three kinds. A reward whose `inputs` does not
@@ -70,21 +72,23 @@ def reward_inputs(reward) -> frozenset[str]:
 
 
 def media_kind(media) -> str:
-    """"images", "video" or "audio" for a batch of decoded media; a clear error for anything else."""
+    """"images", "video", "audio" or "text" for a batch of decoded media; a clear error for anything else."""
     if isinstance(media, Audio):
         return "audio"
     if isinstance(media, torch.Tensor) and media.ndim == 4 and media.shape[1] == 3:
         return "images"
     if isinstance(media, torch.Tensor) and media.ndim == 5 and media.shape[2] == 3:
         return "video"
+    if isinstance(media, list | tuple) and all(isinstance(x, str) for x in media):
+        return "text"
     shape = tuple(media.shape) if isinstance(media, torch.Tensor) else type(media).__name__
-    raise ValueError(f"expected images (B, 3, H, W), video (B, T, 3, H, W) or Audio, got {shape}")
+    raise ValueError(f"expected images (B, 3, H, W), video (B, T, 3, H, W), Audio or a list of strings, got {shape}")
 
 
 def media_len(media) -> int:
     if isinstance(media, dict):  # several kinds of one batch: {kind: batch}
         return media_len(next(iter(media.values())))
-    return len(media) if isinstance(media, Audio) else int(media.shape[0])
+    return len(media) if isinstance(media, Audio | list | tuple) else int(media.shape[0])
 
 
 def media_slice(media, start: int, stop: int):
@@ -96,6 +100,8 @@ def media_slice(media, start: int, stop: int):
 
 def media_cat(parts: list):
     """Batches of one kind and per-sample shape (and sample rate) -> one batch."""
+    if isinstance(parts[0], list | tuple):  # text
+        return [x for p in parts for x in p]
     return Audio.cat(parts) if isinstance(parts[0], Audio) else torch.cat(parts)
 
 
@@ -215,7 +221,8 @@ def score_frames(reward, video: torch.Tensor, prompts: list[str], metadata: list
     k = len(idx)
     images = video[:, idx].reshape(b * k, *video.shape[2:])
     per_frame = [[x for x in xs for _ in range(k)] for xs in (prompts, metadata)]
-    lat = latents.repeat_interleave(k, 0) if latents is not None else None
+    lat = None if latents is None else ({n: v.repeat_interleave(k, 0) for n, v in latents.items()}  # several entries
+                                        if isinstance(latents, dict) else latents.repeat_interleave(k, 0))
     out = _call(reward, reward_inputs(reward), images, *per_frame, lat)
     scores = torch.as_tensor(out.scores).detach().to("cpu", torch.float64).reshape(-1)
     if scores.numel() != b * k:

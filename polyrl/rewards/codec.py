@@ -181,8 +181,12 @@ def _mp4_codec() -> str:
     return "libx264" if "libx264" in av.codecs_available else "mpeg4"
 
 
-def encode_mp4(frames: np.ndarray, fps: float, *, crf: int = 18, pix_fmt: str | None = None) -> bytes:
+def encode_mp4(frames: np.ndarray, fps: float, *, crf: int = 18, pix_fmt: str | None = None,
+               audio: np.ndarray | None = None, sample_rate: int = 0, audio_titles: list[str] | None = None) -> bytes:
     """(T, H, W, 3) uint8 RGB frames -> mp4 file bytes (H.264; lossy).
+
+    `audio`: (tracks, channels, samples) float waveforms in [-1, 1] at `sample_rate` Hz (1 or 2 channels), each
+    written as its own AAC stream (a player plays the first and lets you switch), titled by `audio_titles`.
 
     `pix_fmt=None` picks yuv420p when H and W are even (it plays everywhere) and yuv444p otherwise (4:2:0 cannot
     hold an odd size; 4:4:4 round-trips any size, but some browsers do not play it). `crf`: x264's constant
@@ -199,6 +203,12 @@ def encode_mp4(frames: np.ndarray, fps: float, *, crf: int = 18, pix_fmt: str | 
     if pix_fmt is not None and pix_fmt not in MP4_PIX_FMTS:
         raise ValueError(f"encode_mp4: pix_fmt={pix_fmt!r} is not supported; allowed: {', '.join(MP4_PIX_FMTS)}")
     _, h, w, _ = frames.shape
+    if audio is not None:
+        audio = np.asarray(audio, dtype=np.float32)
+        if audio.ndim != 3 or audio.shape[1] not in (1, 2) or audio.shape[2] < 1:
+            raise ValueError(f"encode_mp4: audio must be (tracks, 1 or 2 channels, samples), got {audio.shape}")
+        if not (isinstance(sample_rate, int) and sample_rate > 0):
+            raise ValueError(f"encode_mp4: sample_rate={sample_rate!r} must be a positive integer with audio")
     codec = _mp4_codec()
     even = h % 2 == 0 and w % 2 == 0
     if codec != "libx264":
@@ -217,12 +227,38 @@ def encode_mp4(frames: np.ndarray, fps: float, *, crf: int = 18, pix_fmt: str | 
             stream.options = {"crf": str(int(crf))}
         else:
             stream.bit_rate = int(max(1e6, w * h * float(fps) * 2))
+        titles = list(audio_titles or [])
+        audio_streams = [(_add_audio_stream(container, track.shape[0], sample_rate,
+                                            titles[i] if i < len(titles) else None), track)
+                         for i, track in enumerate(audio if audio is not None else [])]
         for i, f in enumerate(frames):
             frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")
             frame.pts = i
             container.mux(stream.encode(frame))
         container.mux(stream.encode(None))
+        for audio_stream, track in audio_streams:
+            _mux_audio(container, audio_stream, track, sample_rate)
     return buf.getvalue()
+
+
+def _add_audio_stream(container, channels: int, sample_rate: int, title: str | None):
+    """An AAC stream for (channels, samples) waveforms (added before any packet: the header lists every stream)."""
+    stream = container.add_stream("aac", rate=sample_rate)
+    stream.layout = "mono" if channels == 1 else "stereo"
+    if title:
+        stream.metadata["title"] = title
+    return stream
+
+
+def _mux_audio(container, stream, track: np.ndarray, sample_rate: int) -> None:
+    """One (channels, samples) float waveform through `stream` (PyAV re-buffers it to AAC's frame size)."""
+    import av
+
+    layout = "mono" if track.shape[0] == 1 else "stereo"
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(np.clip(track, -1, 1)), format="fltp", layout=layout)
+    frame.sample_rate, frame.pts = sample_rate, 0
+    container.mux(stream.encode(frame))
+    container.mux(stream.encode(None))
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from .stage import RewardUnavailable, merge_extras
 
 PROTOCOLS = ("json", "flow_grpo_pickle")
 RETRY_STATUS = frozenset({408, 429})  # and every 5xx
-FIELDS = {"images": "images", "video": "videos", "audio": "audio"}  # media kind -> request field
+FIELDS = {"images": "images", "video": "videos", "audio": "audio", "text": "texts"}  # media kind -> request field
 
 
 class RewardRequestRejected(RewardUnavailable):
@@ -286,6 +286,8 @@ class HttpReward:
                 items = encode_images(media, self.image_format, self.jpeg_quality)
             elif kind == "video":
                 items = encode_videos(media, self.video_format, self.image_format, self.jpeg_quality, self.mp4_crf)
+            elif kind == "text":  # a token policy's responses, as they are
+                items = list(media)
             else:
                 items = encode_audio(media)
             return json.dumps({FIELDS[kind]: items, "prompts": prompts, "metadata": metadata}).encode()

@@ -16,7 +16,7 @@ import torch
 
 from ..batch import Rollout
 from ..latents import Latents, MediaShape, cat_latents, map_latents, stack_latents, to_device
-from ..media import cat_media
+from ..media import Audio, cat_media, cpu_media
 from ..models.base import Cond, DiffusionPolicy, Guidance, Prompt
 from .steps import STEPS, step_latents
 
@@ -119,7 +119,7 @@ def decode_chunk(adapter: DiffusionPolicy, final: Latents) -> tuple[dict, Callab
     dev = adapter.device
     if dev.type != "cuda":
         t0 = time.perf_counter()
-        media = {k: v.cpu() for k, v in adapter.decode(to_device(final, dev)).items()}
+        media = cpu_media(adapter.decode(to_device(final, dev)))  # an Audio's waveform too
         seconds = time.perf_counter() - t0
         return media, lambda: seconds
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -128,8 +128,11 @@ def decode_chunk(adapter: DiffusionPolicy, final: Latents) -> tuple[dict, Callab
     end.record()
     host = {}
     for k, v in decoded.items():
-        host[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-        host[k].copy_(v, non_blocking=True)
+        tensor = v.waveform if isinstance(v, Audio) else v
+        host[k] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host[k].copy_(tensor, non_blocking=True)
+        if isinstance(v, Audio):
+            host[k] = Audio(host[k], v.sample_rate)
     copied = torch.cuda.Event()
     copied.record()
 

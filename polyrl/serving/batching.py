@@ -44,12 +44,14 @@ def media_key(media) -> tuple:
     """What two batches must share to be scored in one call: kind and per-sample shape (and sample rate)."""
     if isinstance(media, Audio):
         return ("audio", tuple(media.waveform.shape[1:]), media.sample_rate)
+    if isinstance(media, list):  # texts: any lengths score together
+        return ("text",)
     return (media_kind(media), tuple(media.shape[1:]))
 
 
 def sample_pixels(media) -> int:
     """Decoded pixels of one sample: H * W of an image, T * H * W of a video, 0 for audio."""
-    if isinstance(media, Audio):
+    if isinstance(media, Audio | list):  # audio, texts
         return 0
     return math.prod(media.shape[1:]) // 3  # the channel dimension (3) of (3, H, W) or (T, 3, H, W)
 

@@ -9,6 +9,7 @@ The media field is exactly one of (codec: `polyrl.rewards.codec`):
     "images": [base64 PNG/JPEG, ...]                          one size per request      -> (B, 3, H, W)
     "videos": [[base64 PNG/JPEG frame, ...] | base64 mp4, ...] one (T, H, W) per request -> (B, T, 3, H, W)
     "audio":  [base64 WAV (16-bit PCM), ...]                  one rate, channels, length -> Audio
+    "texts":  [string, ...]                                   a token policy's responses -> list[str]
 
 and the reward is called through `call_reward`: an image scorer scores video by its sampled frames
 (`reward.frames`), audio reaches only a reward that reads audio.
@@ -60,9 +61,9 @@ from ..rewards.codec import (
 from .batching import BatchingScorer, ScorerFailed
 from .connections import RETRY_AFTER_S, guarded_protocol
 
-MEDIA_FIELDS = {"images": "images", "videos": "video", "audio": "audio"}  # request field -> media kind
+MEDIA_FIELDS = {"images": "images", "videos": "video", "audio": "audio", "texts": "text"}  # request field -> media kind
 ITEM = {"images": "base64 PNG or JPEG strings", "videos": "videos (lists of base64 PNG/JPEG frames or base64 mp4 "
-        "strings)", "audio": "base64 WAV (16-bit PCM) strings"}
+        "strings)", "audio": "base64 WAV (16-bit PCM) strings", "texts": "strings (a token policy's responses)"}
 
 
 @dataclass
@@ -128,6 +129,11 @@ def _read_headers(field: str, items: list, limits: ServerLimits) -> tuple[list, 
     pixel is decoded: 413 / 422 naming the item (`videos[1]: frame 3: ...`)."""
     if field == "audio":
         return items, 0  # a WAV's length is checked on its header when it is decoded (decode_wav)
+    if field == "texts":  # nothing to decode: each item must be a string
+        bad = next((i for i, item in enumerate(items) if not isinstance(item, str)), None)
+        if bad is not None:
+            raise _HTTPError(422, f"texts[{bad}]: expected a string, got {type(items[bad]).__name__}")
+        return items, 0
     budget = PixelBudget(limits.max_request_pixels)
     files = []
     for i, item in enumerate(items):
@@ -154,6 +160,8 @@ def _decode(request: _Request, limits: ServerLimits):
     """The request's media: images (B, 3, H, W) / video (B, T, 3, H, W) as uint8 (decoded straight into one
     array: no per-item copies, no float), or an `Audio` batch."""
     field, items = request.field, request.items
+    if field == "texts":
+        return list(items)
     if field == "audio":
         clips = []
         for i, item in enumerate(items):

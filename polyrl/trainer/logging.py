@@ -234,8 +234,10 @@ def save_grid(images: torch.Tensor, captions: list[str], scores: list[float] | N
 
 
 def save_video_grid(video: torch.Tensor, captions: list[str], scores: list[float] | None, path: Path, fps: float,
-                    cols: int = 8, scale: int = 2, baselines: list[float] | None = None) -> None:
-    """A captioned grid video (mp4) of (B, T, 3, H, W) clips in [0, 1]: frame t of every clip side by side."""
+                    cols: int = 8, scale: int = 2, baselines: list[float] | None = None, audio=None) -> None:
+    """A captioned grid video (mp4) of (B, T, 3, H, W) clips in [0, 1]: frame t of every clip side by side. With
+    `audio` (a `media.Audio` of the same B clips) the mp4 holds one AAC track per tile, in tile order, titled
+    "tile i: <caption>" (a player plays tile 1's and can switch tracks)."""
     import numpy as np
 
     from ..rewards.codec import encode_mp4
@@ -243,12 +245,15 @@ def save_video_grid(video: torch.Tensor, captions: list[str], scores: list[float
     frames = np.stack([np.asarray(grid_image(video[:, t], captions, scores, cols, scale, baselines))
                        for t in range(video.shape[1])])
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(encode_mp4(frames, fps))
+    sound = {} if audio is None else {
+        "audio": audio.waveform.detach().float().cpu().numpy(), "sample_rate": int(audio.sample_rate),
+        "audio_titles": [f"tile {i + 1}: {c}" for i, c in enumerate(captions)]}
+    path.write_bytes(encode_mp4(frames, fps, **sound))
 
 
 def save_samples(batch, stem: Path, fps: float = 16.0, baselines: list[float] | None = None) -> list[Path]:
-    """A batch's decoded media as files a person opens: `<stem>.png` for images; for video `<stem>.mp4` and a PNG
-    grid of each clip's middle frame. Captions are the prompts and rewards (and `baselines`, see `grid_image`)."""
+    """A batch's decoded media as files a person opens: `<stem>.png` for images; for video `<stem>.mp4` (with one
+    sound track per tile when the model decodes audio too, e.g. LTX-2) and a PNG grid of each clip's middle frame. Captions are the prompts and rewards (and `baselines`, see `grid_image`)."""
     from ..models.base import prompt_text
 
     captions = [prompt_text(p) for p in batch.prompts]
@@ -260,9 +265,13 @@ def save_samples(batch, stem: Path, fps: float = 16.0, baselines: list[float] | 
     if "video" in media:
         video = media["video"]
         written.append(stem.with_suffix(".mp4"))
-        save_video_grid(video, captions, scores, written[-1], fps, baselines=baselines)
+        save_video_grid(video, captions, scores, written[-1], fps, baselines=baselines, audio=media.get("audio"))
         written.append(stem.with_suffix(".png"))
         save_grid(video[:, video.shape[1] // 2], captions, scores, written[-1], baselines=baselines)
+    if "audio" in media and "video" not in media:  # audio-only models: `<stem>.wav` + spectrogram `<stem>.png`
+        from .audio_samples import save_audio_samples
+
+        written += save_audio_samples(media["audio"], captions, scores, stem, baselines)
     return written
 
 

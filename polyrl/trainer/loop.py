@@ -1,7 +1,9 @@
 """The training loop: prompts → rollout → reward → advantage → update, with eval, logging and checkpoints.
 
 It holds no model or algorithm special case: those live behind the model, reward, algorithm and actor
-registries, built from the config. It holds no rank logic beyond asking the engine for this rank's share of the
+registries, built from the config. It dispatches on the model's policy kind only (models/base.py: a diffusion
+policy's stages are here, a token policy's in trainer/tokens.py: its sampler, actor, pairs and held-out samples).
+It holds no rank logic beyond asking the engine for this rank's share of the
 step's prompt groups, gathering the step's rewards, and letting only rank 0 write (distributed/engine.py).
 """
 
@@ -16,26 +18,29 @@ import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from ..actor.local import LocalActor
+from ..actor import actor_class
+from ..actor.tokens import TokenActor
 from ..algorithms import build_algorithm, compute_advantages
 from ..algorithms.advantage import zero_std_ratio
 from ..batch import Rollout
 from ..config.schema import ConfigError
 from ..data.pairs import load_pairs, pair_batch
 from ..data.prompts import MissingConditionImage, PromptSampler, load_prompts, row_location, split_row
+from ..data.text_pairs import load_text_pairs
 from ..distributed.engine import LocalEngine, build_engine
 from ..errors import UserError
 from ..latents import MediaShape
 from ..models import MODELS, build_model
-from ..models.base import Guidance
+from ..models.base import Guidance, policy_kind
 from ..perf.compile import compile_transformer
 from ..perf.fp8 import apply_fp8
 from ..perf.timer import StageTimer
@@ -54,6 +59,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .logging import MetricsLogger, pick_tiles, plot_reward_curve, save_samples
+from .tokens import evaluate_tokens, save_text_samples, token_pair_batch, token_plan_from_config, token_step
 
 
 def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
@@ -241,11 +247,11 @@ class Trainer:
             raise UserError(f"trainer.device=cuda but torch {torch.__version__} sees no CUDA device "
                             f"({'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}); "
                             "use trainer.device=cpu (or auto)")
-        self.engine = build_engine(t.device)
+        self.engine = build_engine(t.device, cfg)
         self.say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if self.engine.is_main else (lambda msg: None)
-        if cfg.data.prompts_per_step % self.engine.world_size:
+        if cfg.data.prompts_per_step % self.engine.dp_size:
             raise ConfigError(f"data.prompts_per_step={cfg.data.prompts_per_step} must be divisible by the number of "
-                              f"data-parallel ranks ({self.engine.world_size})")
+                              f"data-parallel ranks ({self.engine.dp_size})")
         self.run_dir, candidates, notes = resolve_on_main(self.engine, cfg)
         for note in notes:
             self.say(note)
@@ -259,7 +265,12 @@ class Trainer:
         self.reward_stage = RewardStage(self.reward, cfg.reward.name, overlap=bool(cfg.reward.get("async", False)))
         self.algo = build_algorithm(OmegaConf.to_container(cfg.algorithm))
         # Offline pairs (data.pairs_path) replace the prompts: each step trains on a batch of pairs, no rollout.
-        self.pairs = load_pairs(cfg.data.pairs_path) if cfg.data.pairs_path else None
+        self.kind = policy_kind(MODELS.get(cfg.model.name))  # "diffusion" | "tokens": which stages run
+        try:
+            loader = load_text_pairs if self.kind == "tokens" else load_pairs
+            self.pairs = loader(cfg.data.pairs_path) if cfg.data.pairs_path else None
+        except ValueError as e:  # bad rows, each named by line
+            raise UserError(str(e)) from None
         # a model conditioned on images (model class attribute `condition_images`) refuses a row without one
         needs_images = bool(getattr(MODELS.get(cfg.model.name), "condition_images", False))
         try:
@@ -273,14 +284,15 @@ class Trainer:
         for path, rows in ((cfg.data.path, prompts), (cfg.data.heldout_path, self.heldout)):
             self._check_rows(path, rows)
         self.sampler = PromptSampler(self.pairs or prompts, t.seed, cfg.data.shuffle)
-        self.plan = plan_from_config(cfg.rollout)
+        self.plan = token_plan_from_config(cfg.rollout) if self.kind == "tokens" else plan_from_config(cfg.rollout)
 
         self.adapter = build_model(cfg.model, self.device)
         try:  # a media shape the model cannot make is a config error, reported before anything runs
-            self.latent_shapes = self.adapter.latent_shapes(self.plan.shape)
+            self.latent_shapes = self.adapter.latent_shapes(self.plan.shape) if self.kind == "diffusion" else {}
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self.actor = LocalActor(self.adapter, cfg.actor, self.plan, self.algo, cfg.rollout_correction, self.engine)
+        actor = TokenActor if self.kind == "tokens" else actor_class(cfg.actor.backend)
+        self.actor = actor(self.adapter, cfg.actor, self.plan, self.algo, cfg.rollout_correction, self.engine)
         for network in self.adapter.modules().values():
             if cfg.model.fp8:
                 apply_fp8(network)  # after LoRA: only the frozen base layers are swapped
@@ -313,6 +325,29 @@ class Trainer:
         self._stop_note = ""
         self._tiles: dict | None = None
         self.bar = tqdm(disable=True)  # fit's progress bar
+        # the rollout stage: in this process on the actor's networks, or on Ray rollout replicas (docs/ray.md)
+        self.sample = partial(rollout, self.adapter)
+        self.rollout_policy = self.actor.sampling_policy
+        self.remote = None
+        if t.launcher == "ray":
+            self._launch_ray()
+
+    def _launch_ray(self) -> None:
+        """Worker groups on Ray: reward workers, and rollout replicas when rollout.workers > 0; they replace the
+        local stages behind the same calls (`reward_stage.begin`, `sample`), and get the weights after updates."""
+        if self.engine.world_size > 1:
+            raise ConfigError("trainer.launcher=ray runs one driver process; start it with `polyrl train`, not torchrun")
+        if self.kind != "diffusion":
+            raise ConfigError(f"trainer.launcher=ray drives diffusion policies; model.name={self.cfg.model.name} is a "
+                              f"{self.kind} policy: use trainer.launcher=local")
+        from .remote import launch  # Ray is imported only by a run that asks for it
+
+        self.remote = launch(self.cfg, self.actor, self.adapter, self.reward_stage.reads_media)
+        if self.remote.reward_stage is not None:
+            self.reward_stage.close()
+            self.reward_stage = self.remote.reward_stage
+        if self.remote.rollout is not None:  # the replicas hold the sampling policy's weights (remote.py)
+            self.sample, self.rollout_policy = self.remote.rollout.rollout, nullcontext
 
     def _loggers(self) -> list[str]:
         t = self.cfg.trainer
@@ -344,7 +379,8 @@ class Trainer:
         cfg, step = self.cfg, self.step
         t0 = time.perf_counter()
         rows = self.local_rows(self.sampler.next(cfg.data.prompts_per_step))
-        batch = pair_batch(self.adapter, rows, cfg.rollout.height, cfg.rollout.width)
+        batch = (token_pair_batch(self.adapter, rows) if self.kind == "tokens"
+                 else pair_batch(self.adapter, rows, cfg.rollout.height, cfg.rollout.width))
         t1 = time.perf_counter()
         stats = self._update(batch, step_generator(cfg.trainer.seed, step, stream=1))
         t2 = time.perf_counter()
@@ -355,31 +391,22 @@ class Trainer:
         cfg, step, engine = self.cfg, self.step, self.engine
         if self.pairs is not None:
             return self.pair_step()
+        if self.kind == "tokens":
+            return token_step(self)
         timer = StageTimer(self.device)
         flops_before = getattr(self.adapter, "flops", 0.0)
-        n = cfg.rollout.n
         with timer("step"):
             rows = self.sampler.next(cfg.data.prompts_per_step)  # the global step: every rank draws the same rows
-            group_ids = torch.arange(len(rows)).repeat_interleave(n)
-            share = engine.shard(len(rows))
-            mine = torch.arange(share.start * n, share.stop * n)  # this rank's samples (whole groups)
-            prompts, metadata = [], []
-            for row in rows[share.start:share.stop]:
-                prompt, meta = split_row(row)
-                prompts += [prompt] * n
-                metadata += [meta] * n
-            # the whole step's draws, then this rank's rows: the numbers do not depend on the world size
-            noise = draw_noise(self.latent_shapes, self.plan, group_ids, step_generator(cfg.trainer.seed, step),
-                               step).select(mine)
+            prompts, metadata, group_ids, mine, noise = self._step_inputs(rows, step)
             with timer("text_encode"):  # fills the model's prompt cache; the rollout then reads it
                 self.adapter.encode_prompts(prompts)
                 self.adapter.encode_guidance(self.plan.guidance)
             # reward: after the rollout, or chunk by chunk during it (reward.async, rewards/stage.py)
             scoring = self.reward_stage.begin(prompts, metadata)
             try:
-                with timer("rollout"), self.actor.sampling_policy():
-                    batch = rollout(self.adapter, prompts, metadata, group_ids[mine], self.plan, noise,
-                                    decode=self.reward_stage.reads_media, sink=scoring, times=timer.times)
+                with timer("rollout"), self.rollout_policy():
+                    batch = self.sample(prompts, metadata, group_ids[mine], self.plan, noise,
+                                        decode=self.reward_stage.reads_media, sink=scoring, times=timer.times)
             except BaseException:
                 scoring.cancel()
                 raise
@@ -387,8 +414,13 @@ class Trainer:
             rewards = engine.gather(batch.rewards)  # the step's rewards, in global sample order
             advantages = compute_advantages(self.algo, rewards, group_ids)
             batch.advantages = advantages[mine]
+            if cfg.rollout.max_staleness:
+                self._prefetch(step)
             with timer("train"):
                 stats = self._update(batch, step_generator(cfg.trainer.seed, step, stream=1))
+            if self.remote is not None:
+                with timer("weight_sync"):
+                    stats.update(self.remote.sync())
         timings = timer.times
         step_flops = float(engine.sum(torch.tensor(getattr(self.adapter, "flops", 0.0) - flops_before,
                                                    dtype=torch.float64, device=engine.device)))
@@ -409,6 +441,39 @@ class Trainer:
             **reward_metrics(engine.gather_objects((len(batch), batch.reward_extras))),
         }
 
+    def _step_inputs(self, rows: list, step: int):
+        """(prompts, metadata, group ids, this rank's sample indices, noise) of a step's rows: every prompt n times,
+        the whole step's draws, then this rank's rows (the numbers do not depend on the world size)."""
+        n = self.cfg.rollout.n
+        group_ids = torch.arange(len(rows)).repeat_interleave(n)
+        share = self.engine.shard(len(rows))
+        mine = torch.arange(share.start * n, share.stop * n)  # this rank's samples (whole groups)
+        prompts, metadata = [], []
+        for row in rows[share.start:share.stop]:
+            prompt, meta = split_row(row)
+            prompts += [prompt] * n
+            metadata += [meta] * n
+        noise = draw_noise(self.latent_shapes, self.plan, group_ids, step_generator(self.cfg.trainer.seed, step),
+                           step).select(mine)
+        return prompts, metadata, group_ids, mine, noise
+
+    def _prefetch(self, step: int) -> None:
+        """rollout.max_staleness = k: the rollout replicas start the next k steps' rollouts now, on the weights
+        before this update (their staleness is logged as rollout/staleness). The sampler is only peeked: a
+        checkpoint of this step resumes at the next step's rows."""
+        remote, k = self.remote.rollout, self.cfg.rollout.max_staleness
+        before = self.sampler.state_dict()
+        try:
+            for ahead in range(1, k + 1):
+                rows = self.sampler.next(self.cfg.data.prompts_per_step)
+                if step + ahead >= self.cfg.trainer.max_steps:
+                    break
+                if ahead > len(remote.prefetched):  # not started by an earlier step
+                    prompts, _, _, _, noise = self._step_inputs(rows, step + ahead)
+                    remote.prefetch(prompts, self.plan, noise, self.reward_stage.reads_media)
+        finally:
+            self.sampler.load_state_dict(before)
+
     def _update(self, batch: Rollout, generator: torch.Generator) -> dict:
         """The actor's update, after a copy of what it changes (WeightSnapshot) where that copy is small."""
         self._snapshot = WeightSnapshot(self.actor) if WeightSnapshot.fits(self.actor) else None
@@ -417,12 +482,16 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- eval
     def evaluate(self, n: int | None = None) -> tuple[float, Rollout]:
-        return evaluate(self.adapter, self.reward, self.cfg, self.heldout or self.sampler.rows, self.plan, n)
+        rows = self.heldout or self.sampler.rows
+        if self.kind == "tokens":
+            return evaluate_tokens(self.adapter, self.reward, self.cfg, rows, self.plan, n)
+        return evaluate(self.adapter, self.reward, self.cfg, rows, self.plan, n)
 
     def _eval_and_grid(self, metrics: dict) -> None:
-        """Held-out evaluation and the sample grid (rank 0; the other ranks wait at the next collective). A stop
-        signal abandons it at once (the step it follows is complete)."""
-        if not self.engine.is_main:
+        """Held-out evaluation and the sample grid (rank 0; the other ranks wait at the next collective, or evaluate
+        too when the weights are sharded: each forward needs every rank). A stop signal abandons it at once (the
+        step it follows is complete)."""
+        if not (self.engine.is_main or self.engine.sharded):
             return
         self._phase = "eval"
         self.bar.set_description_str(f"{self.cfg.name} (evaluating {self.cfg.trainer.eval_samples} held-out samples)")
@@ -430,9 +499,14 @@ class Trainer:
         t0 = time.perf_counter()
         try:
             mean, batch = self.evaluate()
-            tiles, baselines = self._grid_tiles(batch)
-            save_samples(batch.select(torch.tensor(tiles)), self.run_dir / "samples" / f"step_{self.step:06d}",
-                         self.plan.shape.fps, baselines)
+            if not self.engine.is_main:  # rank 0 writes
+                return
+            if self.kind == "tokens":  # every held-out response, as text
+                save_text_samples(batch, self.run_dir / "samples" / f"step_{self.step:06d}.jsonl")
+            else:
+                tiles, baselines = self._grid_tiles(batch)
+                save_samples(batch.select(torch.tensor(tiles)), self.run_dir / "samples" / f"step_{self.step:06d}",
+                             self.plan.shape.fps, baselines)
             metrics["eval/reward_mean"] = mean
             metrics["time/eval"] = time.perf_counter() - t0
         except StopRequested:  # the step itself is complete: it is logged and saved, then every rank stops
@@ -471,10 +545,11 @@ class Trainer:
         try:
             with self._signal_handlers():
                 try:
-                    if self.step == 0 and t.eval_every > 0 and main:
+                    if self.step == 0 and t.eval_every > 0 and (main or self.engine.sharded):
                         m = {"step": 0}
                         self._eval_and_grid(m)
-                        self.logger.log(m)
+                        if main:
+                            self.logger.log(m)
                     while self.step < t.max_steps and not self._stop_agreed():
                         self._one_step()
                 except StopRequested as e:
@@ -521,8 +596,11 @@ class Trainer:
         ckpt = checkpoint_dir(self.run_dir, self.step)
         if self.saved_step != self.step:
             self._phase = "save"
-            if self.engine.is_main:
-                save_checkpoint(ckpt, self.actor, self.sampler, self.step, {})
+            if self.engine.sharded and not collective and self.engine.world_size > 1:
+                raise CheckpointError("sharded weights are saved by every rank together, which a failure on one "
+                                      "rank cannot ask for")
+            if self.engine.is_main or self.engine.sharded:  # sharded: every rank writes its shards
+                save_checkpoint(ckpt, self.actor, self.sampler, self.step, {}, engine=self.engine)
             if collective:
                 self.engine.barrier()
             self.saved_step, self._phase = self.step, "idle"
@@ -615,4 +693,6 @@ class Trainer:
 
     def close(self) -> None:
         self.reward_stage.close()
+        if self.remote is not None:
+            self.remote.close()
         self.engine.close()
