@@ -13,6 +13,7 @@ from . import (  # noqa: F401  (register the built-in scorers)
     preservation,
     rules,
     shapes,
+    temporal_consistency,
     vlm_judge,
 )
 from .base import (

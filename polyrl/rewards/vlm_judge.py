@@ -10,6 +10,12 @@ Edit tasks (`source_key`, e.g. `image`): the turn is [source image(s), generated
 images read from that metadata column (the row's condition images: a path or a list of paths), so the judge compares
 the edit with what it edited; `template` defaults to `DEFAULT_EDIT_TEMPLATE` then.
 
+Video (the VideoScore / VideoAlign pattern, judged from frames): given (B, T, 3, H, W), the judge sees
+`video_frames` evenly spaced frames of each clip, round(linspace(0, T-1, N)) (every frame when T <= N), as N images
+of one turn [*sources, frame_1 .. frame_N, question] (`DEFAULT_VIDEO_TEMPLATE` by default), and answers once per clip.
+The key is `video_frames`, not `frames`: `frames` is the frame sampling `call_reward` applies to image scorers, and
+this reward reads video itself.
+
 Default pattern: `score` (any case), optional `:` or `=`, then a number, e.g. "Score: 7", "score = 3.5".
 With `score_range: [lo, hi]` a value outside it counts as unparseable and the score is (v - lo) / (hi - lo).
 An unparseable answer is never a 0: `on_unparseable=error` (default) stops with the answer's text;
@@ -29,6 +35,7 @@ from ..models.base import prompt_text
 from .base import (
     RewardOutput,
     check_batch,
+    frame_indices,
     image_batch_as_uint8,
     media_kind,
     register_reward,
@@ -42,6 +49,8 @@ DEFAULT_TEMPLATE = ('Look at the image. How well does it show "{prompt}"? Rate i
 DEFAULT_EDIT_TEMPLATE = ('The first image is the original, the last is the result of the edit instruction "{prompt}". '
                          'How well does the result carry out the instruction while keeping everything else of the '
                          'original? Rate it from 0 to 10 and answer in the form "Score: N".')
+DEFAULT_VIDEO_TEMPLATE = ('These images are frames of one video, in order. How well does the video show "{prompt}", '
+                          'including its motion? Rate it from 0 to 10 and answer in the form "Score: N".')
 DEFAULT_PATTERN = r"(?i)score\s*[:=]?\s*(-?\d+(?:\.\d+)?)"
 UNPARSEABLE = ("error", "exclude")
 
@@ -79,14 +88,20 @@ class LocalVLM:
         self.processor.tokenizer.padding_side = padding_side  # left: batched generation / last position = last token
 
     def inputs(self, images: torch.Tensor, questions: list[str], sources: list[list] | None = None) -> dict:
-        """One chat turn per image: [image, question], or [*sources[i], image, question] with source images."""
-        if media_kind(images) != "images":
+        """One chat turn per sample: [image, question], or [*sources[i], image, question] with source images;
+        for (B, N, 3, H, W) (N frames of a video per sample) [*sources[i], frame_1 .. frame_N, question]."""
+        if images.ndim == 5 and images.shape[2] == 3:
+            per_sample = [list(image_batch_as_uint8(clip)) for clip in images]
+        elif media_kind(images) == "images":
+            per_sample = [[image] for image in image_batch_as_uint8(images)]
+        else:
             raise ValueError(f"VLM scorers score images (B, 3, H, W), got {tuple(images.shape)}")
         sources = sources or [[] for _ in questions]
-        chats = [[{"role": "user", "content": [{"type": "image"}] * (len(src) + 1) + [{"type": "text", "text": q}]}]
-                 for q, src in zip(questions, sources, strict=True)]
+        chats = [[{"role": "user", "content": [{"type": "image"}] * (len(src) + len(own))
+                   + [{"type": "text", "text": q}]}]
+                 for q, src, own in zip(questions, sources, per_sample, strict=True)]
         text = self.processor.apply_chat_template(chats, add_generation_prompt=True, tokenize=False)
-        pictures = [p for src, image in zip(sources, image_batch_as_uint8(images), strict=True) for p in (*src, image)]
+        pictures = [p for src, own in zip(sources, per_sample, strict=True) for p in (*src, *own)]
         batch = self.processor(text=text, images=pictures, return_tensors="pt", padding=True)
         return {k: (v.to(self.device, self.dtype) if torch.is_floating_point(v) else v.to(self.device))
                 for k, v in batch.items()}
@@ -94,11 +109,22 @@ class LocalVLM:
 
 @register_reward("vlm_judge")
 class VLMJudge:
-    """Score = the number the VLM answers to `template` (module docstring)."""
+    """Score = the number the VLM answers to `template` (module docstring); video judged from `video_frames`
+    frames."""
+
+    media = ("images", "video")
 
     def __init__(self, path: str, template: str | None = None, pattern: str = DEFAULT_PATTERN,
                  score_range: list | None = None, on_unparseable: str = "error", max_new_tokens: int = 32,
-                 device: str = "auto", dtype: str = "float32", source_key: str | None = None):
+                 device: str = "auto", dtype: str = "float32", source_key: str | None = None,
+                 video_frames: int = 8, video_template: str | None = None):
+        if isinstance(video_frames, bool) or not isinstance(video_frames, int) or video_frames < 1:
+            raise ValueError(f"vlm_judge: video_frames={video_frames!r} must be an integer >= 1")
+        self.video_frames = video_frames
+        self.video_template = template if video_template is None and template is not None else (
+            video_template or DEFAULT_VIDEO_TEMPLATE)
+        if "{prompt}" not in self.video_template:
+            raise ValueError("vlm_judge: video_template must contain {prompt}")
         if on_unparseable not in UNPARSEABLE:
             raise ValueError(f"vlm_judge: on_unparseable={on_unparseable!r}; allowed: {', '.join(UNPARSEABLE)}")
         if template is None:
@@ -140,9 +166,14 @@ class VLMJudge:
             out.append(images)
         return out
 
+    def sample_frames(self, video: torch.Tensor) -> torch.Tensor:
+        """(B, N, 3, H, W): the `video_frames` evenly spaced frames of each (B, T, 3, H, W) clip."""
+        return video[:, frame_indices(video.shape[1], min(self.video_frames, int(video.shape[1])), "vlm_judge")]
+
     @torch.no_grad()
     def answers(self, images: torch.Tensor, prompts: list, sources: list[list] | None = None) -> list[str]:
-        questions = [self.template.replace("{prompt}", prompt_text(p)) for p in prompts]
+        template = self.video_template if images.ndim == 5 else self.template
+        questions = [template.replace("{prompt}", prompt_text(p)) for p in prompts]
         batch = self.vlm.inputs(images, questions, sources)
         tok, gen = self.vlm.processor.tokenizer, self.vlm.model.generation_config
         out = self.vlm.model.generate(**batch, max_new_tokens=self.max_new_tokens, do_sample=False,
@@ -152,6 +183,8 @@ class VLMJudge:
 
     def __call__(self, images, prompts, metadata=None) -> RewardOutput:
         metadata = check_batch("vlm_judge", images.shape[0], prompts, metadata)
+        if media_kind(images) == "video":
+            images = self.sample_frames(images)
         self.last_answers = self.answers(images, prompts, self.source_images(metadata))
         values = [parse_score(a, self.pattern, self.score_range) for a in self.last_answers]
         bad = [i for i, v in enumerate(values) if v is None]
