@@ -118,14 +118,16 @@ def _pad_ragged(values: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _cat(values: list):
+def _cat(values: list, ragged: bool = False):
+    """Concatenate per-sample values; `ragged` (the `cond` field only) zero-pads tensors whose trailing dims differ,
+    anywhere else a shape mismatch stays an error."""
     first = values[0]
     if first is None:
         return None
     if isinstance(first, torch.Tensor):
-        return torch.cat(_pad_ragged(values))
+        return torch.cat(_pad_ragged(values) if ragged else values)
     if isinstance(first, dict):
-        return {k: _cat([v[k] for v in values]) for k in first}
+        return {k: _cat([v[k] for v in values], ragged) for k in first}
     if isinstance(first, list | tuple):
         return sum((list(v) for v in values), [])
     return type(first).cat(values)
@@ -182,4 +184,5 @@ class Rollout:
     @staticmethod
     def cat(parts: list[Rollout]) -> Rollout:
         return Rollout(**{f.name: getattr(parts[0], f.name) if f.name in NOT_PER_SAMPLE
-                          else _cat([getattr(p, f.name) for p in parts]) for f in fields(Rollout)})
+                          else _cat([getattr(p, f.name) for p in parts], ragged=f.name == "cond")
+                          for f in fields(Rollout)})

@@ -294,7 +294,7 @@ def test_conds_of_other_media_widths_concatenate(policy, media):
     _, b = policy.encode_prompts(["say seven", prompts(media)[2]])  # text only; two images
     _, text = policy.encode_prompts(["say seven"])  # no media at all: zero-width entries of the right layout
     assert text["pixel_values"].shape == (1, 0, 3 * 2 * 4 * 4) and text["input_features"].shape == (1, 0, 16, 0)
-    both = _cat([a, b])
+    both = _cat([a, b], ragged=True)  # as Rollout.cat concatenates `cond`
     assert both["pixel_values"].shape[:2] == (3, 40) and both["image_grid_thw"].shape[:2] == (3, 2)
     assert both["input_features"].shape[:2] == (3, 1) and both["feature_attention_mask"][1:].sum() == 0
     for row, (src, i) in enumerate([(a, 0), (b, 0), (b, 1)]):

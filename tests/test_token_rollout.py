@@ -140,3 +140,17 @@ def test_token_batches_concatenate_and_select():
     assert sub.tokens.prompt_ids.tolist() == [[9, 9, 9], [0, 5, 6]]
     assert sub.extras["rejected_tokens"].response_ids.tolist() == [[2, 0, 0], [7, 0, 0]]
     assert Rollout.cat([sub, rollout]).tokens.prompt_ids.shape == (5, 3)
+
+
+def test_cat_pads_ragged_cond_inputs_but_refuses_mismatched_latents():
+    """Per-sample model inputs in `cond` may differ in width between rollouts (media of different sizes: padded
+    with zeros at the end); the same mismatch anywhere else is an error, never a silent pad."""
+    def rollout(width: int, latent: int) -> Rollout:
+        return Rollout(prompts=["a"], metadata=[{}], group_ids=torch.arange(1), cond={"pixels": torch.ones(1, width)},
+                       shared={}, latents={"x": torch.ones(1, latent)}, log_probs=torch.zeros(1, 1),
+                       sigmas=torch.zeros(1, 0), noise_levels=torch.zeros(1, 0), final={})
+
+    both = Rollout.cat([rollout(2, 4), rollout(3, 4)])
+    assert both.cond["pixels"].tolist() == [[1, 1, 0], [1, 1, 1]]
+    with pytest.raises(RuntimeError):
+        Rollout.cat([rollout(2, 4), rollout(2, 5)])
