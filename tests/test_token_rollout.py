@@ -11,8 +11,9 @@ import torch
 
 from polyrl.batch import Rollout, TokenBatch
 from polyrl.errors import UserError
-from polyrl.models.causal_lm import CausalLMPolicy
+from polyrl.models.causal_lm import CausalLMPolicy, StaticCacheDecoding
 from polyrl.sampling.tokens import (
+    CachedDecoding,
     TokenPlan,
     draw_uniforms,
     inverse_cdf_sample,
@@ -69,6 +70,49 @@ def test_draws_do_not_depend_on_the_chunk_size(adapter):
     one_t, many_t = one.tokens.trimmed(), many.tokens.trimmed()
     assert torch.equal(one_t.response_ids, many_t.response_ids)
     assert torch.allclose(one.log_probs, many.log_probs, atol=1e-5)
+
+
+def test_static_cache_decoding_equals_the_growing_cache_and_is_one_graph(adapter):
+    """The policy's static-cache decoder (the GPU's CUDA-graph path, traced here by a counting torch.compile backend)
+    gives the logits of the generic decoder over transformers' growing cache at every step, for left-padded prompts,
+    and every step of every chunk of the same shape is the same single graph (no graph break, no recompile)."""
+    from polyrl.sampling.tokens import pad_left
+
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids, _ = adapter.encode_prompts(PROMPTS)
+    static = StaticCacheDecoding(adapter, len(PROMPTS), 64, graphs=True, backend=counting_backend)
+    generic = CachedDecoding(adapter)
+    for chunk in (ids, [i[: 2 + j] for j, i in enumerate(ids)]):  # then shorter prompts: same cache and graph
+        prompt, mask = pad_left(chunk, adapter.pad_token_id)
+        assert (mask == 0).any()  # left padding is exercised
+        with torch.no_grad():
+            a, b = static.prefill(prompt, mask, {}), generic.prefill(prompt, mask, {})
+            for t in range(6):
+                assert torch.allclose(a, b, atol=1e-5), t
+                token = b.argmax(-1)
+                a, b = static.step(token), generic.step(token)
+    assert len(graphs) == 1
+
+
+def test_rollout_uses_the_static_cache_and_reuses_it(adapter, monkeypatch):
+    plan = TokenPlan(max_new_tokens=5, temperature=1.0, batch_size=2)
+    u = draw_uniforms(len(PROMPTS), plan, torch.Generator().manual_seed(1))
+    adapter._decodings.clear()
+    fast = token_rollout(adapter, PROMPTS, [{}] * 4, torch.arange(4), plan, u)
+    made = dict(adapter._decodings)
+    assert made  # the chunks decoded through static caches
+    again = token_rollout(adapter, PROMPTS, [{}] * 4, torch.arange(4), plan, u)
+    assert all(adapter._decodings[k] is v for k, v in made.items())  # reused, not rebuilt
+    assert torch.equal(again.tokens.response_ids, fast.tokens.response_ids)
+    monkeypatch.setattr(type(adapter), "decoding", lambda self, *a: None)  # the generic decoder
+    slow = token_rollout(adapter, PROMPTS, [{}] * 4, torch.arange(4), plan, u)
+    assert torch.equal(fast.tokens.response_ids, slow.tokens.response_ids)
+    assert torch.allclose(fast.log_probs, slow.log_probs, atol=1e-5)
 
 
 def test_top_p_and_inverse_cdf_against_reference():

@@ -289,7 +289,8 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
         "date": time.strftime("%Y-%m-%d"), "device": stack.get("gpu", platform.processor() or "cpu"),
         "versions": stack, "overrides": list(overrides), "build_pipeline_s": build_s,
         "precision": (f"network {cfg.model.dtype}, trainable master weights float32, log-probs from float32 logits, "
-                      f"compile={cfg.model.compile}" if prompt_tokens else
+                      f"compile={cfg.model.compile}, decoding CUDA graphs="
+                      f"{dict(cfg.model.options).get('cuda_graphs', True) and device.type == 'cuda'}" if prompt_tokens else
                       f"transformer {cfg.model.dtype} (autocast), trainable master weights float32, step math float32, "
                       f"VAE weights float32 (decode autocast to the network dtype), compile={cfg.model.compile}"),
         "peak_tflops": cfg.trainer.peak_tflops,

@@ -8,6 +8,11 @@ message (with the generation prompt) when the tokenizer has a template, and toke
 Position ids follow the attention mask (cumsum − 1), so left-padded prompts and the cached decoding steps see the
 positions an unpadded sequence would: the rollout's per-token log-probs equal a teacher-forced recompute
 (tests/test_token_rollout.py).
+
+The rollout decodes into a preallocated KV cache (transformers' `StaticCache`) with the same shapes at every step,
+so on a GPU one decoding step is one CUDA graph replay (`model.options.cuda_graphs`, torch.compile's
+"reduce-overhead"): eager decoding of a 28-layer model spends most of a step launching kernels from Python
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -17,9 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..errors import UserError
+from .ace_step import read_options
 from .base import Cond, Prompt, register_model, text_only
+
+# KV-cache lengths are rounded up to a multiple of these: chunks of similar prompt lengths reuse one cache (and, on a
+# GPU, its compiled graph: coarse buckets, few compiles); without graphs a finer one wastes less attention on padding
+GRAPH_CACHE_BUCKET, CACHE_BUCKET = 256, 16
+KEPT_DECODINGS = 2  # static caches (and their graphs) kept at once, the most recently used ones
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the projections of every Qwen / Llama-style decoder layer
@@ -46,6 +58,8 @@ def eos_ids(model, tokenizer) -> list[int]:
 class CausalLMPolicy:
     policy_kind = "tokens"
     default_lora_targets = CAUSAL_LM_LORA_TARGETS
+    # model.options: cuda_graphs — on a GPU, each rollout decoding step is one CUDA graph replay (static KV cache)
+    options = {"cuda_graphs": True}
 
     def __init__(self, cfg, device: torch.device):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -75,6 +89,11 @@ class CausalLMPolicy:
         self._body_params = linears - self._head_params
         self._layers = c.num_hidden_layers
         self._attn_width = c.num_attention_heads * getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
+        options = read_options(self.options, dict(getattr(cfg, "options", None) or {}))
+        self.cuda_graphs = bool(options["cuda_graphs"]) and device.type == "cuda"
+        # transformers 4.x positions its static cache by a `cache_position` argument: keep the generic decoding there
+        self._static_cache = "cache_position" not in params
+        self._decodings: dict[tuple[int, int], StaticCacheDecoding] = {}
 
     def modules(self) -> dict[str, torch.nn.Module]:
         return self.networks
@@ -121,3 +140,74 @@ class CausalLMPolicy:
                                use_cache=use_cache, logits_to_keep=keep, **{self._cache_arg: cache})
         new_cache = getattr(out, "cache", None) if self._cache_arg == "cache" else getattr(out, "past_key_values", None)
         return out.logits.float(), new_cache
+
+    def decoding(self, batch: int, prompt_width: int, max_new_tokens: int) -> StaticCacheDecoding | None:
+        """The rollout's decoder for a chunk of `batch` prompts left-padded to `prompt_width` tokens (reused across
+        chunks and steps of the same bucketed shape; `sampling.tokens.decoding_for`)."""
+        if not self._static_cache:
+            return None
+        # a sharded network (FSDP2 / tensor parallel) gathers its weights in hooks a CUDA graph cannot hold
+        graphs = self.cuda_graphs and not any(isinstance(w, DTensor) for w in self.network.parameters())
+        bucket = GRAPH_CACHE_BUCKET if graphs else CACHE_BUCKET
+        length = -(-(prompt_width + max_new_tokens) // bucket) * bucket
+        key = (batch, length)
+        if key not in self._decodings:
+            while len(self._decodings) >= KEPT_DECODINGS:
+                self._decodings.pop(next(iter(self._decodings)))
+            self._decodings[key] = StaticCacheDecoding(self, batch, length, graphs=graphs)
+        self._decodings[key] = self._decodings.pop(key)  # most recently used last
+        return self._decodings[key]
+
+
+class StaticCacheDecoding:
+    """Prefill and decoding steps into one preallocated KV cache of `length` positions per row.
+
+    The attention mask is one (batch, length) tensor for the whole chunk: the prompt's mask, then 1 at every later
+    position (the causal mask hides those not yet written; a row that has ended keeps decoding padding nobody
+    reads). Every decoding step has the same shapes — token (B, 1), position ids (B, 1), this mask — so it is one
+    compiled graph, replayed as a CUDA graph on a GPU (`model.options.cuda_graphs`). The cache's write position is
+    its own counter, reset at each prefill.
+    """
+
+    def __init__(self, policy: CausalLMPolicy, batch: int, length: int, graphs: bool = False,
+                 backend="inductor"):
+        from transformers import StaticCache
+
+        self.policy, self.batch, self.length = policy, batch, length
+        self.cache = StaticCache(config=policy.network.config, max_cache_len=length)
+        self.mask = torch.zeros((batch, length), dtype=torch.long, device=policy.device)
+        torch._dynamo.mark_static_address(self.mask)  # refilled in place per chunk: the graph reads it where it is
+        self.cuda_graphs = graphs and backend == "inductor" and policy.device.type == "cuda"
+        if graphs:  # one graph for every step (a `backend` other than inductor: tests trace the step on a CPU)
+            # each cache instance is a new guard on the same code: allow as many as a long run's cache shapes
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self._forward_step = torch.compile(self._forward_step, backend=backend, dynamic=False,
+                                               mode="reduce-overhead" if self.cuda_graphs else None)
+
+    def prefill(self, prompt: torch.Tensor, mask: torch.Tensor, cond: Cond) -> torch.Tensor:
+        """Logits (B, V) of the prompts' last positions; writes the prompts into the cache from position 0."""
+        p = prompt.shape[1]
+        self.cache.reset()
+        self.mask.zero_()
+        self.mask[:, :p] = mask
+        self.mask[:, p:] = 1
+        self.position = mask.long().sum(1, keepdim=True) - 1  # the last prompt token's position id
+        logits, _ = self.policy.forward(prompt, mask, cond, self.cache, keep=1, use_cache=True)
+        return logits[:, -1]
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """Logits (B, V) after feeding each row's next token (B,)."""
+        self.position = self.position + 1
+        p = self.policy
+        p.flops += self.batch * decoder_forward_flops(p._body_params, p._head_params, p._layers, p._attn_width, 1, 1,
+                                                      self.length)
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's logits were consumed
+        return self._forward_step(token.unsqueeze(1), self.position)
+
+    def _forward_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        p = self.policy
+        with torch.autocast(p.device.type, dtype=p.dtype, enabled=p.dtype != torch.float32):
+            out = p.network(input_ids=token, attention_mask=self.mask, position_ids=position, use_cache=True,
+                            logits_to_keep=1, **{p._cache_arg: self.cache})
+        return out.logits[:, -1].float()

@@ -109,6 +109,9 @@ def pad_right(seqs: list[list[int]], pad_id: int, width: int | None = None) -> t
     return ids, mask
 
 
+ENDED_CHECK_EVERY = 16  # decoding steps between the GPU's "has every row ended?" checks (a few wasted steps at most)
+
+
 class StopStrings:
     """Whether a response's text has just completed one of the stop strings: only the last few tokens are decoded
     each step (a stop string of n characters fits in its last n + 2 tokens: each token decodes to at least one
@@ -125,43 +128,72 @@ class StopStrings:
         return any(s in tail for s in self.stop)
 
 
+class CachedDecoding:
+    """Decoding through the policy's own `forward` and the cache it returns (any cache type): the attention mask
+    grows by one column per step. What a policy without a `decoding` method of its own samples with."""
+
+    def __init__(self, adapter: TokenPolicy):
+        self.adapter = adapter
+
+    def prefill(self, prompt: torch.Tensor, mask: torch.Tensor, cond: dict) -> torch.Tensor:
+        logits, self.cache = self.adapter.forward(prompt, mask, cond, None, keep=1, use_cache=True)
+        self.mask = mask
+        return logits[:, -1]
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        # the new column is 1 for every row: a row that has ended keeps decoding padding nobody reads
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], 1)
+        logits, self.cache = self.adapter.forward(token.unsqueeze(1), self.mask, None, self.cache, keep=1,
+                                                  use_cache=True)
+        return logits[:, -1]
+
+
+def decoding_for(adapter: TokenPolicy, batch: int, prompt_width: int, max_new_tokens: int):
+    """The policy's own decoder for this chunk shape when it has one (`TokenPolicy.decoding`, e.g. a static KV
+    cache replayed as a CUDA graph), else `CachedDecoding`. Both give the same logits up to kernel differences."""
+    own = getattr(adapter, "decoding", None)
+    decoding = own(batch, prompt_width, max_new_tokens) if own is not None else None
+    return decoding if decoding is not None else CachedDecoding(adapter)
+
+
 @torch.no_grad()
 def sample_tokens(adapter: TokenPolicy, prompt_ids: list[list[int]], cond: dict, plan: TokenPlan,
                   uniforms: torch.Tensor) -> tuple[TokenBatch, torch.Tensor]:
     """Sample one chunk: (tokens with responses padded to max_new_tokens, log π of each response token (B, R)
-    float32, 0 on padding). One prefill, then one cached forward per new token; stops when every row ended."""
+    float32, 0 on padding). One prefill, then one cached forward per new token; stops when every row ended.
+
+    Everything stays on the device until the chunk ends: on a GPU the host asks whether every row has ended only
+    every `ENDED_CHECK_EVERY` steps (each question waits for the GPU), so the steps queue back to back."""
     device, pad = adapter.device, adapter.pad_token_id
     prompt, prompt_mask = pad_left(prompt_ids, pad)
     b, r = len(prompt_ids), plan.max_new_tokens
     eos = torch.tensor(adapter.eos_token_ids, dtype=torch.long, device=device)
     stops = StopStrings(adapter, tuple(plan.stop))
-    response = torch.full((b, r), pad, dtype=torch.long)
-    response_mask = torch.zeros((b, r), dtype=torch.long)
-    log_probs = torch.zeros((b, r), dtype=torch.float32)
+    check_every = 1 if (device.type == "cpu" or stops.stop) else ENDED_CHECK_EVERY
+    response = torch.full((b, r), pad, dtype=torch.long, device=device)
+    response_mask = torch.zeros((b, r), dtype=torch.long, device=device)
+    log_probs = torch.zeros((b, r), dtype=torch.float32, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
-    mask = prompt_mask.to(device)
-    cond = {k: v.to(device) for k, v in cond.items()}
-    logits, cache = adapter.forward(prompt.to(device), mask, cond, None, keep=1, use_cache=True)
-    rows: list[list[int]] = [[] for _ in range(b)]
+    uniforms = uniforms.to(device)
+    decoding = decoding_for(adapter, b, prompt.shape[1], r)
+    logits = decoding.prefill(prompt.to(device), prompt_mask.to(device), {k: v.to(device) for k, v in cond.items()})
     for t in range(r):
-        token, lp = sample_next(logits[:, -1], uniforms[:, t].to(device), plan)
+        token, lp = sample_next(logits, uniforms[:, t], plan)
         alive = ~done
         token = torch.where(alive, token, torch.full_like(token, pad))
-        response[:, t] = token.cpu()
-        response_mask[:, t] = alive.long().cpu()
-        log_probs[:, t] = torch.where(alive, lp, torch.zeros_like(lp)).cpu()
+        response[:, t] = token
+        response_mask[:, t] = alive.long()
+        log_probs[:, t] = torch.where(alive, lp, torch.zeros_like(lp))
         done = done | torch.isin(token, eos)
         if stops.stop:
             for i in torch.nonzero(alive & ~done).flatten().tolist():
-                rows[i] = response[i, : t + 1].tolist()
-                if stops.hit(rows[i]):
+                if stops.hit(response[i, : t + 1].tolist()):
                     done[i] = True
-        if bool(done.all()) or t == r - 1:
+        if t == r - 1 or ((t + 1) % check_every == 0 and bool(done.all())):
             break
-        mask = torch.cat([mask, alive.long().unsqueeze(1)], 1)
-        logits, cache = adapter.forward(token.unsqueeze(1), mask, None, cache, keep=1, use_cache=True)
-    tokens = TokenBatch(prompt, prompt_mask, response, response_mask, pad)
-    return tokens, log_probs
+        logits = decoding.step(token)
+    tokens = TokenBatch(prompt, prompt_mask, response.cpu(), response_mask.cpu(), pad)
+    return tokens, log_probs.cpu()
 
 
 def response_texts(adapter: TokenPolicy, tokens: TokenBatch) -> list[str]:
