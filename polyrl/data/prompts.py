@@ -5,7 +5,8 @@ policies the `answer` column, the reference the rule rewards `math_answer` / `ch
 a number as the file has it). Bad rows are reported by line number; nothing is skipped silently.
 
 Condition images (edit and image-to-video models): a .jsonl / .parquet row may carry `image`, one path or a list of
-paths relative to the data file's folder. `load_prompts` makes them absolute and checks they exist; `split_row`
+paths relative to the data file's folder. `load_prompts` makes them absolute and checks that each exists and that PIL
+reads it as an image (`Image.verify`: the header, and PNG chunk checksums; pixels are not decoded); `split_row`
 turns such a row's prompt into `{"text": prompt, "images": [absolute paths]}` and keeps `image` in the metadata
 (the source image of edit rewards). `audio` and `video` columns (model=qwen3_omni) are resolved and checked the
 same way and reach the prompt as `"audio"` / `"videos"` lists.
@@ -56,8 +57,22 @@ def _resolve_images(row: dict, folder: Path, where: str, required: bool) -> None
         full = os.path.normpath(folder.absolute() / p)
         if not os.path.isfile(full):
             raise ValueError(f"{where}: image {p!r} does not exist (looked for {full})")
+        _check_readable_image(full, p, where)
         resolved.append(full)
     row["image"] = resolved[0] if isinstance(value, str) else resolved
+
+
+def _check_readable_image(full: str, given: str, where: str) -> None:
+    """PIL can identify the file as an image and its structure checks out (`verify`: header, and for PNG the chunk
+    checksums), without decoding the pixels; ValueError naming `where` and the path otherwise."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(full) as image:
+            image.verify()
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
+        reason = str(e).replace(full, "").strip(" '\"") or type(e).__name__
+        raise ValueError(f"{where}: image {given!r} is not a readable image ({full}: {reason})") from None
 
 
 # Condition audio and video (models that read them: model=qwen3_omni): `audio` / `video` columns, like `image`, hold a

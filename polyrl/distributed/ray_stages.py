@@ -211,8 +211,9 @@ class RolloutReplica:
             raise NeedsFullSync("this rollout replica has received no weights (fresh or restarted)")
         device = self.policy.device
         flops = getattr(self.policy, "flops", 0.0)
-        part = sample_latents(self.policy, to_device(cond, device), to_device(shared, device), noise, plan)
-        media, ready = decode_chunk(self.policy, part[4]) if decode else (None, lambda: 0.0)
+        cond = to_device(cond, device)
+        part = sample_latents(self.policy, cond, to_device(shared, device), noise, plan)
+        media, ready = decode_chunk(self.policy, part[4], cond) if decode else (None, lambda: 0.0)
         decode_s = ready()
         info = {"version": self.receiver.version, "decode_s": decode_s,
                 "flops": getattr(self.policy, "flops", 0.0) - flops}

@@ -6,6 +6,7 @@ from .base import MODELS, Cond, DiffusionPolicy, Guidance, Prompt, build_model, 
 from .hunyuan_image import HunyuanImagePolicy  # noqa: F401
 from .janus_pro import JanusProPolicy  # noqa: F401  (model=janus_pro: image tokens as a token policy)
 from .qwen3_omni import Qwen3OmniPolicy  # noqa: F401  (model=qwen3_omni: the Qwen3-Omni thinker, text out)
+from .wan_i2v import WanI2VPolicy  # noqa: F401  (model=wan_i2v: Wan2.2-TI2V-5B / I2V-A14B image-to-video)
 from .z_image import ZImagePolicy  # noqa: F401
 
 __all__ = ["MODELS", "Cond", "DiffusionPolicy", "Guidance", "Prompt", "build_model", "register_model"]

@@ -83,8 +83,17 @@ class DiffusionPolicy(Protocol):
         """The guided velocity in float32; `sigma` is (B,); guidance 1 (or no `shared`) is the conditional one."""
         ...
 
+    def complete_latents(self, latents: Latents, cond: Cond) -> Latents:
+        """Sampled clean latents + the same samples' conditioning -> the latents `decode` takes. The identity for
+        every model whose whole latent state is sampled; a model whose condition occupies part of the latent state
+        (Wan2.2-TI2V's first latent frame, models/wan_i2v.py) samples only the rest and puts the condition back
+        here. The rollout calls it on each chunk's final latents right before `decode`; trajectories, log-probs and
+        `Rollout.final` stay in the sampled layout. Optional: a policy without it decodes the sampled latents."""
+        ...
+
     def decode(self, latents: Latents) -> Media:
-        """Clean latents -> decoded media, float in [0, 1] (waveforms in [-1, 1])."""
+        """Clean latents (as `complete_latents` returns them) -> decoded media, float in [0, 1] (waveforms in
+        [-1, 1])."""
         ...
 
     def encode_media(self, media: Media) -> Latents:

@@ -151,6 +151,11 @@ class DiffusersPolicy:
         return self._guide({k: h[0] for k, h in halves.items()}, {k: h[1] for k, h in halves.items()}, guidance)
 
     # ------------------------------------------------------------------------------------------- media
+    def complete_latents(self, latents: Latents, cond: Cond) -> Latents:
+        """The latents `decode` takes (models/base.py): the sampled ones, unless a subclass's condition occupies part
+        of the latent state."""
+        return latents
+
     def decode(self, latents: Latents) -> Media:
         raise NotImplementedError
 

@@ -290,6 +290,9 @@ class TinyWanSpec:
     the real compression factors (three downsampling stages, two of them temporal) at tiny widths.
     `boundary_ratio` adds a second expert (`transformer_2`) as in Wan2.2-A14B, which pairs the Wan2.1 VAE with two
     transformers switched at t = boundary_ratio·1000.
+    `image_to_video` builds a `WanImageToVideoPipeline` instead (models/wan_i2v.py): with "wan2.2-ti2v" the same
+    transformer (the condition image replaces the first latent frame), with "wan2.1" a transformer that also takes
+    the mask and condition-latent channels (in_channels 2·16 + 4 = 36, as Wan2.2-I2V-A14B; no CLIP image encoder).
     """
 
     words: list[str]
@@ -310,6 +313,7 @@ class TinyWanSpec:
     scheduler: str = "unipc"  # unipc (as published) | euler (FlowMatchEulerDiscreteScheduler with the same shift)
     shift: float | None = None  # None: the layout's published flow shift (wan2.1 1.3B: 3.0, wan2.2 TI2V-5B: 5.0)
     boundary_ratio: float | None = None  # set: two experts (A14B layout)
+    image_to_video: bool = False  # a WanImageToVideoPipeline (first-frame condition)
 
     def __post_init__(self):
         if self.layout not in WAN_LAYOUTS:
@@ -332,6 +336,11 @@ class TinyWanSpec:
         return self.vae_patch * 2 ** (len(self.vae_dim_mult) - 1)
 
     @property
+    def in_channels(self) -> int:
+        """The transformer's input channels: the latents, plus mask (4) and condition latents for channel-concat I2V."""
+        return self.z_dim + (4 + self.z_dim if self.image_to_video and not self.ti2v else 0)
+
+    @property
     def flow_shift(self) -> float:
         return self.shift if self.shift is not None else (5.0 if self.ti2v else 3.0)
 
@@ -341,7 +350,7 @@ def _tiny_wan_transformer(spec: TinyWanSpec):
 
     return WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=spec.heads, attention_head_dim=spec.head_dim,
-        in_channels=spec.z_dim, out_channels=spec.z_dim, text_dim=spec.text_d_model, freq_dim=spec.freq_dim,
+        in_channels=spec.in_channels, out_channels=spec.z_dim, text_dim=spec.text_d_model, freq_dim=spec.freq_dim,
         ffn_dim=spec.ffn_dim, num_layers=spec.num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
         eps=1e-6, rope_max_seq_len=1024,
     )
@@ -366,10 +375,10 @@ def wan_bench_spec(words: list[str], layout: str) -> TinyWanSpec:
 
 def build_tiny_wan(spec: TinyWanSpec, seed: int = 0, device: str | torch.device = "cpu",
                    dtype: torch.dtype = torch.float32):
-    """A random-weight `WanPipeline` of `spec`'s sizes, created directly on `device` with the transformers in
-    `dtype` (published sizes are billions of parameters: build them on the GPU, in bf16); VAE and text encoder
-    stay float32."""
-    from diffusers import UniPCMultistepScheduler, WanPipeline
+    """A random-weight `WanPipeline` (`WanImageToVideoPipeline` with `spec.image_to_video`) of `spec`'s sizes,
+    created directly on `device` with the transformers in `dtype` (published sizes are billions of parameters: build
+    them on the GPU, in bf16); VAE and text encoder stay float32."""
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline
 
     torch.manual_seed(seed)
     with torch.device(device):
@@ -381,7 +390,8 @@ def build_tiny_wan(spec: TinyWanSpec, seed: int = 0, device: str | torch.device 
         scheduler = FlowMatchEulerDiscreteScheduler(shift=spec.flow_shift, num_train_timesteps=1000)
     else:
         raise ValueError(f"TinyWanSpec.scheduler={spec.scheduler!r}; allowed: unipc, euler")
-    return WanPipeline(scheduler=scheduler, boundary_ratio=spec.boundary_ratio, expand_timesteps=spec.ti2v, **parts)
+    pipeline = WanImageToVideoPipeline if spec.image_to_video else WanPipeline
+    return pipeline(scheduler=scheduler, boundary_ratio=spec.boundary_ratio, expand_timesteps=spec.ti2v, **parts)
 
 
 def _tiny_wan_modules(spec: TinyWanSpec, dtype: torch.dtype) -> dict:

@@ -128,12 +128,15 @@ class WanPolicy(DiffusersPolicy):
         vc = self.vae.config
         self.temporal_factor = int(vc.scale_factor_temporal)
         self.spatial_factor = int(vc.scale_factor_spatial)
-        net = self.transformer
-        if net.config.in_channels != vc.z_dim:
-            raise ValueError(f"{self.root}: the transformer takes {net.config.in_channels} channels but the VAE makes "
-                             f"{vc.z_dim}; an image-to-video Wan checkpoint (condition channels) is not text-to-video")
+        self._check_channels(self.transformer.config.in_channels, vc.z_dim)
         self._latents_mean = torch.tensor(vc.latents_mean, dtype=torch.float32, device=device).view(1, -1, 1, 1, 1)
         self._latents_std = torch.tensor(vc.latents_std, dtype=torch.float32, device=device).view(1, -1, 1, 1, 1)
+
+    def _check_channels(self, in_channels: int, z_dim: int) -> None:
+        """The transformer's input channels fit this adapter's layout (text-to-video: the VAE's z_dim)."""
+        if in_channels != z_dim:
+            raise ValueError(f"{self.root}: the transformer takes {in_channels} channels but the VAE makes {z_dim}; an "
+                             "image-to-video Wan checkpoint (condition channels) is not text-to-video: use model=wan_i2v")
 
     @property
     def transformer(self) -> torch.nn.Module:

@@ -113,18 +113,27 @@ class MediaChunk:
 
 
 @torch.no_grad()
-def decode_chunk(adapter: DiffusionPolicy, final: Latents) -> tuple[dict, Callable[[], float]]:
-    """Decode clean latents; returns (media on the host, ready). On CUDA the decode and a pinned non-blocking copy
-    are only queued (sampling of the next chunk is queued behind them), and `ready()` waits on an event."""
+def decode_chunk(adapter: DiffusionPolicy, final: Latents,
+                 cond: Cond | None = None) -> tuple[dict, Callable[[], float]]:
+    """Decode clean latents, through the adapter's `complete_latents` with the chunk's conditioning `cond` (a policy
+    without that hook, or no `cond`, decodes them as they are); returns (media on the host, ready). On CUDA the decode
+    and a pinned non-blocking copy are only queued (sampling of the next chunk is queued behind them), and `ready()`
+    waits on an event."""
     dev = adapter.device
+
+    def complete() -> Latents:
+        latents = to_device(final, dev)
+        hook = getattr(adapter, "complete_latents", None)
+        return latents if hook is None or cond is None else hook(latents, to_device(cond, dev))
+
     if dev.type != "cuda":
         t0 = time.perf_counter()
-        media = cpu_media(adapter.decode(to_device(final, dev)))  # an Audio's waveform too
+        media = cpu_media(adapter.decode(complete()))  # an Audio's waveform too
         seconds = time.perf_counter() - t0
         return media, lambda: seconds
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    decoded = adapter.decode(to_device(final, dev))
+    decoded = adapter.decode(complete())
     end.record()
     host = {}
     for k, v in decoded.items():
@@ -195,9 +204,10 @@ def rollout(
     for i in range(0, b, plan.batch_size):
         sl = slice(i, min(b, i + plan.batch_size))
         idx = torch.arange(sl.start, sl.stop)
-        parts.append(sample_latents(adapter, {k: v[sl] for k, v in cond.items()}, shared, noise.select(idx), plan))
+        chunk_cond = {k: v[sl] for k, v in cond.items()}
+        parts.append(sample_latents(adapter, chunk_cond, shared, noise.select(idx), plan))
         final = parts[-1][4]
-        media, ready = decode_chunk(adapter, final) if decode else (None, lambda: 0.0)
+        media, ready = decode_chunk(adapter, final, chunk_cond) if decode else (None, lambda: 0.0)
         chunks.append(MediaChunk(sl, final, media, ready))
         if sink is not None:
             sink.put(chunks[-1])
