@@ -1,14 +1,19 @@
-"""The actor backends: `local` (weights replicated on every rank) and `fsdp2` (sharded; actor/fsdp2.py)."""
+"""The actor backends: `local` (weights replicated on every rank), `fsdp2` (sharded; actor/fsdp2.py) and `veomni`
+(fsdp2 with VeOmni's parallel state and FSDP2 wrapping; actor/veomni.py)."""
 
 from __future__ import annotations
 
 
 def actor_class(backend: str):
-    """The actor class of `actor.backend` (fsdp2 is imported only when asked for)."""
+    """The actor class of `actor.backend` (fsdp2 and veomni are imported only when asked for)."""
     if backend == "fsdp2":
         from .fsdp2 import FSDP2Actor
 
         return FSDP2Actor
+    if backend == "veomni":
+        from .veomni import VeOmniActor
+
+        return VeOmniActor
     from .local import LocalActor
 
     return LocalActor

@@ -35,13 +35,17 @@ class FSDP2Actor(LocalActor):
         dtype = getattr(self.adapter, "dtype", torch.float32)
         local_grads = []
         for name, network in networks.items():
-            local_grads += parallelize(network, plans.get(name), self.engine, dtype)
+            local_grads += self._parallelize(network, plans.get(name), dtype)
         for frozen in (self.reference_models, self.teacher_models):
             for name, network in (frozen or {}).items():
-                parallelize(network, plans.get(name), self.engine, dtype)
+                self._parallelize(network, plans.get(name), dtype)
         self._tp_local = [p for m in local_grads for p in m.parameters() if p.requires_grad]
         # the same order as `param_names`: FSDP2 replaces each parameter in place of the old one
         return [p for network in networks.values() for p in network.parameters() if p.requires_grad]
+
+    def _parallelize(self, network: torch.nn.Module, plan: dict | None, dtype: torch.dtype) -> list[torch.nn.Module]:
+        """Shard one network in place (actor/veomni.py: through VeOmni instead); returns its tp-local modules."""
+        return parallelize(network, plan, self.engine, dtype)
 
     def _lockstep(self, parts: list[torch.Tensor], shares: list[int]) -> list[torch.Tensor | None]:
         if 0 in self._sizes and any(self._sizes):  # every rank sees the same sizes, so every rank stops here

@@ -122,7 +122,8 @@ COMMON_KEYS = (
     ("trainer.eval_every", "steps between held-out evaluations and sample grids"),
     ("trainer.loggers", "[tensorboard] | [tensorboard,wandb] | [tensorboard,mlflow] | ..."),
     ("rollout.max_new_tokens", "token models: response length (also rollout.temperature, rollout.top_p)"),
-    ("actor.backend", "local | fsdp2 (torchrun; parallel.dp_shard, .dp_replicate, .sp, .tp; docs/distributed.md)"),
+    ("actor.backend", "local | fsdp2 (torchrun; parallel.dp_shard, .dp_replicate, .sp, .tp; docs/distributed.md) | "
+                      "veomni (fsdp2 sharded by VeOmni: dp_* only; its own environment)"),
     ("trainer.launcher", "local | ray (rollout.workers, ray.reward_workers, ray.address; docs/ray.md)"),
 )
 

@@ -131,7 +131,7 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class ParallelConfig:
-    """Degrees of parallelism over the `torchrun` world (actor.backend=fsdp2; docs/distributed.md)."""
+    """Degrees of parallelism over the `torchrun` world (actor.backend=fsdp2 or veomni; docs/distributed.md)."""
 
     dp_replicate: int = 1  # data-parallel groups that each hold a full copy of the (sharded) weights (HSDP)
     dp_shard: int = -1  # data-parallel ranks the weights are sharded over (FSDP2); -1: the ranks left over
@@ -364,7 +364,11 @@ def validate(raw: DictConfig) -> DictConfig:
             len(rc.log_ratio_bounds) == 2 and float(rc.log_ratio_bounds[0]) < float(rc.log_ratio_bounds[1])):
         raise ConfigError(f"rollout_correction.log_ratio_bounds={list(rc.log_ratio_bounds)} must be [lo, hi] with lo < hi")
     a = cfg.actor
-    _check_choice("actor.backend", a.backend, ["local", "fsdp2"])
+    _check_choice("actor.backend", a.backend, ["local", "fsdp2", "veomni"])
+    if a.backend == "veomni":  # VeOmni lives in its own environment (transformers < 5.23): say how, in one line
+        from ..distributed.veomni import require_veomni
+
+        require_veomni()
     from ..distributed.plan import check_parallel_config
 
     try:  # world size, degrees, the model's plan and heads: before any process group starts

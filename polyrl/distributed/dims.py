@@ -61,6 +61,7 @@ class ParallelDims:
 
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "sp", "tp")
+SHARDED_BACKENDS = ("fsdp2", "veomni")  # actor.backend values that read parallel.* (veomni: dp_* only, plan.py)
 
 
 def world_size_from_env() -> int:
@@ -89,7 +90,7 @@ def resolve_dims(parallel, backend: str, world_size: int, model_name: str = "", 
             raise ValueError(f"parallel.{key}={value} must be >= 1")
     if shard == 0 or shard < -1:
         raise ValueError(f"parallel.dp_shard={shard} must be >= 1, or -1 (the ranks left by dp_replicate × sp × tp)")
-    if backend != "fsdp2":
+    if backend not in SHARDED_BACKENDS:
         changed = [f"parallel.{k}={v}" for k, v in (("dp_replicate", rep), ("sp", sp), ("tp", tp)) if v != 1]
         changed += [f"parallel.dp_shard={shard}"] if shard not in (-1, world_size) else []
         if changed:

@@ -166,14 +166,22 @@ def pick_device(name: str) -> torch.device:
 
 
 def build_engine(device_name: str, cfg=None) -> LocalEngine:
-    """`actor.backend=fsdp2`: an `FSDP2Engine` (also at world size 1) on the layout of `cfg.parallel`; else a
+    """`actor.backend=fsdp2`: an `FSDP2Engine` (also at world size 1) on the layout of `cfg.parallel`
+    (`actor.backend=veomni`: a `VeOmniEngine`, its meshes from VeOmni's parallel state); else a
     `DataParallelEngine` under a multi-process launch (WORLD_SIZE > 1), else one process on `device_name`."""
-    if cfg is not None and cfg.actor.backend == "fsdp2":
+    if cfg is not None and cfg.actor.backend in ("fsdp2", "veomni"):
         from ..models import MODELS
-        from .fsdp2 import FSDP2Engine
         from .plan import check_parallel_config
 
-        return FSDP2Engine(device_name, check_parallel_config(cfg, MODELS.get(cfg.model.name)))
+        dims = check_parallel_config(cfg, MODELS.get(cfg.model.name))
+        if cfg.actor.backend == "veomni":
+            from .veomni import VeOmniEngine, require_veomni
+
+            require_veomni()
+            return VeOmniEngine(device_name, dims)
+        from .fsdp2 import FSDP2Engine
+
+        return FSDP2Engine(device_name, dims)
     if ParallelDims.from_env().world_size > 1:
         return DataParallelEngine(device_name)
     return LocalEngine(pick_device(device_name))

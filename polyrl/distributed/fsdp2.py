@@ -32,8 +32,6 @@ class FSDP2Engine(DataParallelEngine):
     sharded = True
 
     def __init__(self, device_name: str, dims: ParallelDims):
-        from torch.distributed.device_mesh import init_device_mesh
-
         if not dist.is_initialized() and "RANK" not in os.environ:  # world size 1 without torchrun: a 1-rank group
             cuda = pick_device(device_name).type == "cuda"
             dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -41,6 +39,13 @@ class FSDP2Engine(DataParallelEngine):
         if self.world_size != dims.world_size:  # checked with the config already; WORLD_SIZE may lie
             raise RuntimeError(f"{self.world_size} ranks but the parallel layout needs {dims.world_size}")
         self.dims = dims
+        self._build_meshes(dims)
+
+    def _build_meshes(self, dims: ParallelDims) -> None:
+        """`fsdp_mesh` (what FSDP2 shards over), `dp_mesh` / `dp_group` (the ranks holding different samples),
+        `sp_group`, `tp_mesh` and `replica_group` (the sp × tp ranks sharing samples; None without sp or tp)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
         root = init_device_mesh(self.device.type, (dims.dp_replicate, dims.dp_shard * dims.sp, dims.tp),
                                 mesh_dim_names=("dp_replicate", "dp_shard_sp", "tp"))
         # FSDP2 shards over dp_shard × sp and replicates over dp_replicate; TP DTensors live on the same root mesh
@@ -108,7 +113,7 @@ def parallelize(network: torch.nn.Module, plan: dict | None, engine: FSDP2Engine
                 param_dtype: torch.dtype) -> list[torch.nn.Module]:
     """Tensor parallel, sequence parallel and FSDP2 on `network`, in place (its trainable parameters already in
     float32 and equal on every rank). Returns the modules whose gradients are summed over tp (distributed/tp.py)."""
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     local_grads: list[torch.nn.Module] = []
     if engine.dims.tp_enabled:
@@ -126,11 +131,18 @@ def parallelize(network: torch.nn.Module, plan: dict | None, engine: FSDP2Engine
     for block in blocks_of(network, plan):
         fully_shard(block, mesh=engine.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(network, mesh=engine.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    reduce_by_sum(network)
+    return local_grads
+
+
+def reduce_by_sum(network: torch.nn.Module) -> None:
+    """Every FSDP unit of `network` reduces its gradients as a plain sum over ranks (see the module docstring)."""
+    from torch.distributed.fsdp import FSDPModule
+
     for module in network.modules():
         if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)  # a sum over ranks (see the module docstring), as a plain
+            module.set_gradient_divide_factor(1.0)  # no division by the number of ranks, as a plain
             module.set_force_sum_reduction_for_comms(True)  # SUM (gloo has no PREMUL_SUM; nothing to scale)
-    return local_grads
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .dims import ParallelDims, resolve_dims, world_size_from_env
+from .dims import SHARDED_BACKENDS, ParallelDims, resolve_dims, world_size_from_env
 
 
 def model_plans(model_cls) -> dict[str, dict] | None:
@@ -50,13 +50,24 @@ def check_parallel_config(cfg, model_cls, world_size: int | None = None) -> Para
     if dims.sp_enabled and cfg.model.compile != "none":
         raise ValueError(f"parallel.sp={dims.sp} with model.compile={cfg.model.compile}: the sequence-parallel "
                          "attention is not traced by torch.compile here; use model.compile=none")
+    backend = cfg.actor.backend
     kind = getattr(model_cls, "policy_kind", "diffusion")
-    if cfg.actor.backend == "fsdp2" and kind != "diffusion":
-        raise ValueError(f"actor.backend=fsdp2 trains diffusion policies; model.name={cfg.model.name} is a {kind} "
+    if backend in SHARDED_BACKENDS and kind != "diffusion":
+        raise ValueError(f"actor.backend={backend} trains diffusion policies; model.name={cfg.model.name} is a {kind} "
                          "policy: use actor.backend=local (data parallel under torchrun)")
-    if cfg.actor.backend == "fsdp2" and cfg.model.get("fp8"):
-        raise ValueError("model.fp8=true with actor.backend=fsdp2: float8 base layers are not sharded here; use "
+    if backend in SHARDED_BACKENDS and cfg.model.get("fp8"):
+        raise ValueError(f"model.fp8=true with actor.backend={backend}: float8 base layers are not sharded here; use "
                          "actor.backend=local")
+    if backend == "veomni":
+        split = [f"parallel.{k}={v}" for k, v in (("sp", dims.sp), ("tp", dims.tp)) if v > 1]
+        if split:
+            raise ValueError(f"{' and '.join(split)} with actor.backend=veomni: only VeOmni's data-parallel sharding "
+                             "is wired here (parallel.dp_shard, parallel.dp_replicate); use actor.backend=fsdp2 for "
+                             "sequence or tensor parallel")
+        if dims.world_size == 1:
+            raise ValueError("actor.backend=veomni shards over 2 or more ranks (VeOmni's parallelizer leaves a world "
+                             "of 1 unsharded): launch with `torchrun --nproc-per-node=N -m polyrl train ...`, or use "
+                             "actor.backend=fsdp2 in one process")
     return dims
 
 
