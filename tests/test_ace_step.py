@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from flop_count import executed_flops
 
 from polyrl.latents import MediaShape
 from polyrl.models.ace_step import ACE_LORA_TARGETS, AceStepPolicy, ace_apg, ace_forward_flops, ace_peak_normalize
@@ -204,41 +205,6 @@ def test_grid_shift_options_and_errors(ace):
 
 
 # ----------------------------------------------------------------------------------------------- FLOPs
-def executed_flops(model: torch.nn.Module, inputs: dict) -> tuple[float, int]:
-    """tests/test_flops.py's counter over Linear, Conv1d and ConvTranspose1d (each output element of a transposed
-    convolution with stride = kernel gathers in_channels products) and every attention call."""
-    total = [0.0, 0]
-
-    def on_layer(mod, args, out):
-        if isinstance(mod, torch.nn.Linear):
-            fan_in = mod.in_features
-        elif isinstance(mod, torch.nn.ConvTranspose1d):
-            fan_in = mod.in_channels * mod.kernel_size[0] // mod.stride[0]
-        else:
-            fan_in = mod.in_channels * mod.kernel_size[0]
-        total[0] += 2.0 * out.numel() * fan_in
-
-    layers = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.ConvTranspose1d)
-    handles = [m.register_forward_hook(on_layer) for m in model.modules() if isinstance(m, layers)]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def counting_sdpa(query, key, value, *a, **kw):
-        b, h, sq, dh = query.shape
-        total[0] += 4.0 * b * sq * key.shape[2] * h * dh
-        total[1] += 1
-        return sdpa(query, key, value, *a, **kw)
-
-    torch.nn.functional.scaled_dot_product_attention = counting_sdpa
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = sdpa
-        for h in handles:
-            h.remove()
-    return total[0], total[1]
-
-
 @pytest.mark.parametrize("frames", [20, 21])  # 21: padded to the patch size
 def test_ace_flops_match_executed_ops(frames):
     model = build_tiny_ace().transformer.eval()

@@ -3,37 +3,10 @@
 import pytest
 import torch
 from diffusers import SD3Transformer2DModel
+from flop_count import executed_flops
 
 from polyrl.models.sd3 import sd3_forward_flops
 from polyrl.perf.flops import epoch_flops
-
-
-def executed_flops(model: torch.nn.Module, inputs: dict) -> tuple[float, int]:
-    """2·(output elements)·(fan-in) for every Linear/Conv2d call, 4·B·Sq·Sk·(H·D) for every attention call."""
-    total = [0.0, 0]
-
-    def on_linear(mod, args, out):
-        fan_in = mod.in_features if isinstance(mod, torch.nn.Linear) else mod.in_channels * mod.kernel_size[0] * mod.kernel_size[1]
-        total[0] += 2.0 * out.numel() * fan_in
-
-    handles = [m.register_forward_hook(on_linear) for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def counting_sdpa(q, k, v, *a, **kw):
-        b, h, sq, dh = q.shape
-        total[0] += 4.0 * b * sq * k.shape[2] * h * dh
-        total[1] += 1
-        return sdpa(q, k, v, *a, **kw)
-
-    torch.nn.functional.scaled_dot_product_attention = counting_sdpa
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = sdpa
-        for h in handles:
-            h.remove()
-    return total[0], total[1]
 
 
 @pytest.mark.parametrize("dual", [(), (0, 1)])

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import EDIT_PROMPTS, SHAPE_PROMPTS
+from flop_count import count_flops, dispatch_attention
 from omegaconf import OmegaConf
 from PIL import Image
 
@@ -261,7 +262,7 @@ def test_what_each_variant_refuses(flux_dirs, edit_data_dir):
 
 # ----------------------------------------------------------------------------------------------- FLOPs
 @pytest.mark.parametrize("guidance_embeds", [True, False])
-def test_flops_match_the_executed_ops(guidance_embeds, monkeypatch):
+def test_flops_match_the_executed_ops(guidance_embeds):
     """flux_forward_flops vs what FluxTransformer2DModel runs: 2·(output elements)·(fan-in) per Linear call
     (per-sample embedders and modulation run on (B, d): once per sample) and 4·B·S²·(H·D) per attention call."""
     from diffusers import FluxTransformer2DModel
@@ -271,30 +272,14 @@ def test_flops_match_the_executed_ops(guidance_embeds, monkeypatch):
     model = FluxTransformer2DModel(in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
                                    num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=20,
                                    guidance_embeds=guidance_embeds, axes_dims_rope=(4, 6, 6)).eval()
-    executed = {"flops": 0.0, "attention_calls": 0}
-    handles = [m.register_forward_hook(lambda mod, a, out: executed.__setitem__(
-        "flops", executed["flops"] + 2.0 * out.numel() * mod.in_features))
-        for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    attention = transformer_flux.dispatch_attention_fn
-
-    def counting_attention(q, k, v, *args, **kwargs):  # (B, S, H, D)
-        executed["flops"] += 4.0 * q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2] * q.shape[3]
-        executed["attention_calls"] += 1
-        return attention(q, k, v, *args, **kwargs)
-
-    monkeypatch.setattr(transformer_flux, "dispatch_attention_fn", counting_attention)
     batch, text, tokens = 3, 7, 12
-    try:
-        with torch.no_grad():
-            model(hidden_states=torch.randn(batch, tokens, 16), encoder_hidden_states=torch.randn(batch, text, 24),
-                  pooled_projections=torch.randn(batch, 20), timestep=torch.full((batch,), 0.5),
-                  guidance=torch.full((batch,), 3.5) if guidance_embeds else None, img_ids=image_ids(3, 4),
-                  txt_ids=torch.zeros(text, 3))
-    finally:
-        for h in handles:
-            h.remove()
-    assert executed["attention_calls"] == 5
-    assert flux_forward_flops(model.config, tokens, text) * batch == pytest.approx(executed["flops"], rel=1e-12)
+    with count_flops(model, dispatch_attention(transformer_flux)) as executed, torch.no_grad():
+        model(hidden_states=torch.randn(batch, tokens, 16), encoder_hidden_states=torch.randn(batch, text, 24),
+              pooled_projections=torch.randn(batch, 20), timestep=torch.full((batch,), 0.5),
+              guidance=torch.full((batch,), 3.5) if guidance_embeds else None, img_ids=image_ids(3, 4),
+              txt_ids=torch.zeros(text, 3))
+    assert executed.attention_calls == 5
+    assert flux_forward_flops(model.config, tokens, text) * batch == pytest.approx(executed.flops, rel=1e-12)
 
 
 def test_adapter_counts_the_kontext_condition_tokens(flux_dirs, edit_data_dir):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import SHAPE_PROMPTS
+from flop_count import count_flops, dispatch_attention
 from omegaconf import OmegaConf
 
 from polyrl.cli.main import main
@@ -215,7 +216,7 @@ def test_what_each_layout_refuses(adapters, flux2_dirs, tmp_path):
 
 # ----------------------------------------------------------------------------------------------- FLOPs
 @pytest.mark.parametrize("guidance_embeds", [True, False])
-def test_flops_match_the_executed_ops(guidance_embeds, monkeypatch):
+def test_flops_match_the_executed_ops(guidance_embeds):
     """flux2_forward_flops vs what Flux2Transformer2DModel runs: 2·(output elements)·(fan-in) per Linear call (the
     shared modulation and the embedders run on (B, d): once per sample) and 4·B·S²·(H·D) per attention call."""
     from diffusers import Flux2Transformer2DModel
@@ -225,29 +226,13 @@ def test_flops_match_the_executed_ops(guidance_embeds, monkeypatch):
     model = Flux2Transformer2DModel(in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
                                     num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(4, 4, 4, 4),
                                     guidance_embeds=guidance_embeds).eval()
-    executed = {"flops": 0.0, "attention_calls": 0}
-    handles = [m.register_forward_hook(lambda mod, a, out: executed.__setitem__(
-        "flops", executed["flops"] + 2.0 * out.numel() * mod.in_features))
-        for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    attention = transformer_flux2.dispatch_attention_fn
-
-    def counting_attention(q, k, v, *args, **kwargs):  # (B, S, H, D)
-        executed["flops"] += 4.0 * q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2] * q.shape[3]
-        executed["attention_calls"] += 1
-        return attention(q, k, v, *args, **kwargs)
-
-    monkeypatch.setattr(transformer_flux2, "dispatch_attention_fn", counting_attention)
     batch, text, (rows, cols) = 3, 7, (3, 4)
-    try:
-        with torch.no_grad():
-            model(hidden_states=torch.randn(batch, rows * cols, 16), encoder_hidden_states=torch.randn(batch, text, 24),
-                  timestep=torch.full((batch,), 0.5), guidance=torch.full((batch,), 4.0) if guidance_embeds else None,
-                  img_ids=token_ids(rows, cols), txt_ids=text_ids(text))
-    finally:
-        for h in handles:
-            h.remove()
-    assert executed["attention_calls"] == 5
-    assert flux2_forward_flops(model.config, rows * cols, text) * batch == pytest.approx(executed["flops"], rel=1e-12)
+    with count_flops(model, dispatch_attention(transformer_flux2)) as executed, torch.no_grad():
+        model(hidden_states=torch.randn(batch, rows * cols, 16), encoder_hidden_states=torch.randn(batch, text, 24),
+              timestep=torch.full((batch,), 0.5), guidance=torch.full((batch,), 4.0) if guidance_embeds else None,
+              img_ids=token_ids(rows, cols), txt_ids=text_ids(text))
+    assert executed.attention_calls == 5
+    assert flux2_forward_flops(model.config, rows * cols, text) * batch == pytest.approx(executed.flops, rel=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------- CLI

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import SHAPE_PROMPTS
+from flop_count import SDPA, count_flops
 from omegaconf import OmegaConf
 
 from polyrl.cli.main import main
@@ -279,7 +280,7 @@ def test_what_it_refuses(hy_dirs, tmp_path):
 
 # ----------------------------------------------------------------------------------------------- FLOPs
 @pytest.mark.parametrize("distilled", [False, True])
-def test_flops_match_the_executed_ops(distilled, monkeypatch):
+def test_flops_match_the_executed_ops(distilled):
     """hunyuan_image_forward_flops vs what HunyuanImageTransformer2DModel runs: 2·(output elements)·(fan-in) per
     Linear / Conv2d call (AdaLN and embedders run on (B, ·): once per sample) and 4·B·Sq·Sk·(H·D) per attention call
     (the blocks' and the token refiner's)."""
@@ -290,38 +291,18 @@ def test_flops_match_the_executed_ops(distilled, monkeypatch):
         in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16, num_layers=2, num_single_layers=3,
         num_refiner_layers=2, patch_size=(1, 1), guidance_embeds=distilled, text_embed_dim=24, text_embed_2_dim=12,
         rope_axes_dim=(8, 8), use_meanflow=distilled).eval()
-    executed = {"flops": 0.0, "attention_calls": 0}
-
-    def on_linear(mod, args, out):
-        fan_in = mod.in_features if isinstance(mod, torch.nn.Linear) else mod.in_channels * int(np.prod(mod.kernel_size))
-        executed["flops"] += 2.0 * out.numel() * fan_in
-
-    handles = [m.register_forward_hook(on_linear) for m in model.modules()
-               if isinstance(m, torch.nn.Linear | torch.nn.Conv2d)]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def counting_sdpa(*args, **kwargs):  # (B, H, S, D); diffusers' dispatcher passes query=, key=, value=
-        q, k = (args[:2] if args else (kwargs["query"], kwargs["key"]))
-        executed["flops"] += 4.0 * q.shape[0] * q.shape[2] * k.shape[2] * q.shape[1] * q.shape[3]
-        executed["attention_calls"] += 1
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
     batch, text, glyph, (rows, cols) = 3, 7, 5, (4, 6)
     extra = {"timestep_r": torch.full((batch,), 300.0), "guidance": torch.full((batch,), 3250.0)} if distilled else {}
-    try:
-        with torch.no_grad():
-            model(hidden_states=torch.randn(batch, 8, rows, cols), timestep=torch.full((batch,), 500.0),
-                  encoder_hidden_states=torch.randn(batch, text, 24),
-                  encoder_attention_mask=torch.ones(batch, text, dtype=torch.long),
-                  encoder_hidden_states_2=torch.randn(batch, glyph, 12),
-                  encoder_attention_mask_2=torch.ones(batch, glyph, dtype=torch.long), **extra)
-    finally:
-        for h in handles:
-            h.remove()
-    assert executed["attention_calls"] == 2 + 2 + 3
+    # diffusers' dispatcher calls torch's scaled_dot_product_attention (B, H, S, D) with query=, key=, value=
+    with count_flops(model, SDPA) as executed, torch.no_grad():
+        model(hidden_states=torch.randn(batch, 8, rows, cols), timestep=torch.full((batch,), 500.0),
+              encoder_hidden_states=torch.randn(batch, text, 24),
+              encoder_attention_mask=torch.ones(batch, text, dtype=torch.long),
+              encoder_hidden_states_2=torch.randn(batch, glyph, 12),
+              encoder_attention_mask_2=torch.ones(batch, glyph, dtype=torch.long), **extra)
+    assert executed.attention_calls == 2 + 2 + 3
     expected = hunyuan_image_forward_flops(model.config, rows * cols, text, glyph) * batch
-    assert expected == pytest.approx(executed["flops"], rel=1e-12)
+    assert expected == pytest.approx(executed.flops, rel=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------- CLI

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from flop_count import executed_flops
 
 from polyrl.latents import MediaShape
 from polyrl.models.base import Guidance
@@ -287,35 +288,6 @@ def test_joint_log_density_is_the_sum_of_the_per_stream_terms(step):
 
 
 # ----------------------------------------------------------------------------------------------- FLOPs
-def executed_flops(model: torch.nn.Module, inputs: dict) -> tuple[float, int]:
-    """2·(output elements)·(fan-in) for every Linear call, 4·B·Sq·Sk·(H·D) for every attention call
-    (tests/test_flops.py's counter)."""
-    total = [0.0, 0]
-
-    def on_linear(mod, args, out):
-        total[0] += 2.0 * out.numel() * mod.in_features
-
-    handles = [m.register_forward_hook(on_linear) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert not any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def counting_sdpa(query, key, value, *a, **kw):
-        b, h, sq, dh = query.shape
-        total[0] += 4.0 * b * sq * key.shape[2] * h * dh
-        total[1] += 1
-        return sdpa(query, key, value, *a, **kw)
-
-    torch.nn.functional.scaled_dot_product_attention = counting_sdpa
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = sdpa
-        for h in handles:
-            h.remove()
-    return total[0], total[1]
-
-
 # STG needs the perturbed attention of the LTX-2.3 layout
 @pytest.mark.parametrize(("layout", "mode"), [("ltx2.0", "plain"), ("ltx2.0", "isolate"), ("ltx2.3", "plain"),
                                               ("ltx2.3", "isolate"), ("ltx2.3", "stg")])

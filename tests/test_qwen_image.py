@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from flop_count import count_flops, dispatch_attention
 from omegaconf import OmegaConf
 
 from polyrl.cli.main import main
@@ -236,7 +237,7 @@ def test_two_steps_on_tiny_qwen_image_through_the_cli(tiny_qwen_dir, shape_promp
 
 
 # ----------------------------------------------------------------------------------------------- FLOPs
-def test_flops_match_the_executed_ops_of_the_transformer(monkeypatch):
+def test_flops_match_the_executed_ops_of_the_transformer():
     """docs/algorithms.md §6 count vs what the model runs: 2·(output elements)·(fan-in) for every Linear call (per-sample
     modulation linears run on (B, d), so they count once per sample) and 4·B·S²·(H·D) for every joint attention."""
     from diffusers import QwenImageTransformer2DModel
@@ -247,31 +248,13 @@ def test_flops_match_the_executed_ops_of_the_transformer(monkeypatch):
     torch.manual_seed(0)
     model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=3, attention_head_dim=16,
                                         num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(4, 6, 6)).eval()
-    executed = {"flops": 0.0, "attention_calls": 0}
-
-    def on_linear(mod, args, out):
-        executed["flops"] += 2.0 * out.numel() * mod.in_features
-
-    handles = [m.register_forward_hook(on_linear) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    attention = transformer_qwenimage.dispatch_attention_fn
-
-    def counting_attention(q, k, v, *args, **kwargs):  # (B, S, H, D)
-        executed["flops"] += 4.0 * q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2] * q.shape[3]
-        executed["attention_calls"] += 1
-        return attention(q, k, v, *args, **kwargs)
-
-    monkeypatch.setattr(transformer_qwenimage, "dispatch_attention_fn", counting_attention)
     batch, text, grid = 3, 7, (6, 4)
     tokens = (grid[0] // 2) * (grid[1] // 2)
-    try:
-        with torch.no_grad():
-            model(hidden_states=torch.randn(batch, tokens, 16), encoder_hidden_states=torch.randn(batch, text, 24),
-                  timestep=torch.full((batch,), 0.5), img_shapes=[[(1, grid[0] // 2, grid[1] // 2)]] * batch)
-    finally:
-        for h in handles:
-            h.remove()
-    assert executed["attention_calls"] == 3
-    assert qwen_image_forward_flops(model.config, tokens, text) * batch == pytest.approx(executed["flops"], rel=1e-12)
+    with count_flops(model, dispatch_attention(transformer_qwenimage)) as executed, torch.no_grad():
+        model(hidden_states=torch.randn(batch, tokens, 16), encoder_hidden_states=torch.randn(batch, text, 24),
+              timestep=torch.full((batch,), 0.5), img_shapes=[[(1, grid[0] // 2, grid[1] // 2)]] * batch)
+    assert executed.attention_calls == 3
+    assert qwen_image_forward_flops(model.config, tokens, text) * batch == pytest.approx(executed.flops, rel=1e-12)
 
 
 def test_full_size_forward_flops_by_hand():

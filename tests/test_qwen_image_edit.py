@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from conftest import EDIT_PROMPTS
+from flop_count import count_flops, dispatch_attention
 from omegaconf import OmegaConf
 from PIL import Image
 
@@ -195,34 +196,19 @@ def test_ode_sampling_with_true_cfg_reproduces_the_pipeline(variant, edit, plus,
     assert (_ode(adapter, prompts, noise, 3, 1.0) - final).abs().max() > 1e-2
 
 
-def test_flops_match_the_executed_ops(edit, edit_data_dir, monkeypatch):
+def test_flops_match_the_executed_ops(edit, edit_data_dir):
     """The count of a CFG forward over samples with different condition sizes (two transformer calls) equals the
     executed ops: 2·(output elements)·(fan-in) per Linear call and 4·B·S²·(H·D) per joint attention."""
     from diffusers.models.transformers import transformer_qwenimage
 
-    executed = {"flops": 0.0}
-    linears = [m for m in edit.transformer.modules() if isinstance(m, torch.nn.Linear)]
-    handles = [m.register_forward_hook(lambda mod, a, out: executed.__setitem__(
-        "flops", executed["flops"] + 2.0 * out.numel() * mod.in_features)) for m in linears]
-    attention = transformer_qwenimage.dispatch_attention_fn
-
-    def counting_attention(q, k, v, *args, **kwargs):
-        executed["flops"] += 4.0 * q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2] * q.shape[3]
-        return attention(q, k, v, *args, **kwargs)
-
-    monkeypatch.setattr(transformer_qwenimage, "dispatch_attention_fn", counting_attention)
     prompts = [_prompt(edit_data_dir, EDIT_PROMPTS[0], "a.png"), _prompt(edit_data_dir, EDIT_PROMPTS[1], "c.png"),
                _prompt(edit_data_dir, EDIT_PROMPTS[2], "b.png")]
     cond = edit.encode_prompts(prompts)
     x = torch.randn(3, *edit.latent_shapes(MediaShape(32, 32))["x"])
     before = edit.flops
-    try:
-        with torch.no_grad():
-            edit.velocity({"x": x}, torch.full((3,), 0.6), cond, edit.encode_guidance(Guidance(4.0, NEGATIVE)), 4.0)
-    finally:
-        for h in handles:
-            h.remove()
-    assert edit.flops - before == pytest.approx(executed["flops"], rel=1e-12)
+    with count_flops(edit.transformer, dispatch_attention(transformer_qwenimage)) as executed, torch.no_grad():
+        edit.velocity({"x": x}, torch.full((3,), 0.6), cond, edit.encode_guidance(Guidance(4.0, NEGATIVE)), 4.0)
+    assert edit.flops - before == pytest.approx(executed.flops, rel=1e-12)
     # and the count is Qwen-Image's with the condition tokens as image tokens (64 noise tokens: a 16×16 latent)
     grids = cond["condition_grids"][:, 0]
     tokens = (grids[:, 0] * grids[:, 1]).tolist()

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from flop_count import executed_flops
 
 from polyrl.latents import MediaShape
 from polyrl.models.base import Guidance
@@ -225,36 +226,6 @@ def test_latent_shapes_options_and_errors(sao, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- FLOPs
-def executed_flops(model: torch.nn.Module, inputs: dict) -> tuple[float, int]:
-    """2·(output elements)·(fan-in) for every Linear / Conv1d call, 4·B·Sq·Sk·(H·D) for every attention call
-    (tests/test_flops.py's counter, with 1-D convolutions)."""
-    total = [0.0, 0]
-
-    def on_layer(mod, args, out):
-        fan_in = mod.in_features if isinstance(mod, torch.nn.Linear) else mod.in_channels * mod.kernel_size[0]
-        total[0] += 2.0 * out.numel() * fan_in
-
-    layers = (torch.nn.Linear, torch.nn.Conv1d)
-    handles = [m.register_forward_hook(on_layer) for m in model.modules() if isinstance(m, layers)]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def counting_sdpa(query, key, value, *a, **kw):
-        b, h, sq, dh = query.shape
-        total[0] += 4.0 * b * sq * key.shape[2] * h * dh
-        total[1] += 1
-        return sdpa(query, key, value, *a, **kw)
-
-    torch.nn.functional.scaled_dot_product_attention = counting_sdpa
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = sdpa
-        for h in handles:
-            h.remove()
-    return total[0], total[1]
-
-
 def test_sao_flops_match_executed_ops():
     from diffusers.models.embeddings import get_1d_rotary_pos_embed
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from flop_count import executed_flops
 
 from polyrl.latents import MediaShape
 from polyrl.models.base import Guidance
@@ -179,8 +180,6 @@ def test_grid_and_options(sa3, tmp_path):
 # ----------------------------------------------------------------------------------------------- FLOPs
 @pytest.mark.parametrize("differential", [True, False])
 def test_sa3_flops_match_executed_ops(differential):
-    from test_stable_audio import executed_flops
-
     model = build_tiny_sa3(differential=differential).transformer.eval()
     batch, frames, context = 3, 20, 9
     inputs = dict(hidden_states=torch.randn(batch, 4, frames), timestep=torch.rand(batch),

@@ -3,12 +3,12 @@ of a pipeline run (Wan2.1, Wan2.2-TI2V with per-token timesteps, a two-expert A1
 latent layout, the sigma grid and the analytic FLOP count against the executed operations."""
 
 import json
-import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+from flop_count import executed_flops
 
 from polyrl.latents import MediaShape
 from polyrl.models.base import Guidance
@@ -175,39 +175,6 @@ def test_build_model_registry(tiny_wan_dir):
 
 
 # ----------------------------------------------------------------------------------------------- FLOPs, LoRA
-def executed_flops(model: torch.nn.Module, inputs: dict) -> tuple[float, int]:
-    """2·(output elements)·(fan-in) for every Linear/Conv call, 4·B·Sq·Sk·(H·D) for every attention call
-    (tests/test_flops.py's counter, with Conv3d)."""
-    total = [0.0, 0]
-    convs = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
-
-    def on_linear(mod, args, out):
-        if isinstance(mod, torch.nn.Linear):
-            fan_in = mod.in_features
-        else:
-            fan_in = mod.in_channels // mod.groups * math.prod(mod.kernel_size)
-        total[0] += 2.0 * out.numel() * fan_in
-
-    handles = [m.register_forward_hook(on_linear) for m in model.modules() if isinstance(m, (torch.nn.Linear, *convs))]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def counting_sdpa(query, key, value, *a, **kw):
-        b, h, sq, dh = query.shape
-        total[0] += 4.0 * b * sq * key.shape[2] * h * dh
-        total[1] += 1
-        return sdpa(query, key, value, *a, **kw)
-
-    torch.nn.functional.scaled_dot_product_attention = counting_sdpa
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = sdpa
-        for h in handles:
-            h.remove()
-    return total[0], total[1]
-
-
 @pytest.mark.parametrize("per_token_timesteps", [False, True])
 def test_wan_flops_match_executed_ops(per_token_timesteps):
     torch.manual_seed(0)

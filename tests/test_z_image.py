@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import SHAPE_PROMPTS
+from flop_count import count_flops, dispatch_attention
 from omegaconf import OmegaConf
 
 from polyrl.cli.main import main
@@ -244,7 +245,7 @@ def test_what_it_refuses(z_dirs):
 
 
 # ----------------------------------------------------------------------------------------------- FLOPs
-def test_flops_match_the_executed_ops(monkeypatch):
+def test_flops_match_the_executed_ops():
     """z_image_forward_flops vs what ZImageTransformer2DModel runs: 2·(output elements)·(fan-in) per Linear call (the
     AdaLN and timestep linears run on (B, ·): once per sample) and 4·B·Sq·Sk·(H·D) per attention call; 15 image tokens
     and 7 caption tokens are each padded to 32."""
@@ -255,29 +256,13 @@ def test_flops_match_the_executed_ops(monkeypatch):
     model = ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=48, n_layers=2,
                                      n_refiner_layers=2, n_heads=3, n_kv_heads=3, cap_feat_dim=24, axes_dims=[4, 6, 6],
                                      axes_lens=[256, 64, 64]).eval()
-    executed = {"flops": 0.0, "attention_calls": 0}
-    handles = [m.register_forward_hook(lambda mod, a, out: executed.__setitem__(
-        "flops", executed["flops"] + 2.0 * out.numel() * mod.in_features))
-        for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    attention = transformer_z_image.dispatch_attention_fn
-
-    def counting_attention(q, k, v, *args, **kwargs):  # (B, S, H, D)
-        executed["flops"] += 4.0 * q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2] * q.shape[3]
-        executed["attention_calls"] += 1
-        return attention(q, k, v, *args, **kwargs)
-
-    monkeypatch.setattr(transformer_z_image, "dispatch_attention_fn", counting_attention)
     batch, text, (rows, cols) = 3, 7, (6, 10)
-    try:
-        with torch.no_grad():
-            model([torch.randn(4, 1, rows, cols) for _ in range(batch)], torch.full((batch,), 0.5),
-                  [torch.randn(text, 24) for _ in range(batch)])
-    finally:
-        for h in handles:
-            h.remove()
-    assert executed["attention_calls"] == 2 + 2 + 2
+    with count_flops(model, dispatch_attention(transformer_z_image)) as executed, torch.no_grad():
+        model([torch.randn(4, 1, rows, cols) for _ in range(batch)], torch.full((batch,), 0.5),
+              [torch.randn(text, 24) for _ in range(batch)])
+    assert executed.attention_calls == 2 + 2 + 2
     tokens = (rows // 2) * (cols // 2)
-    assert z_image_forward_flops(model.config, tokens, text) * batch == pytest.approx(executed["flops"], rel=1e-12)
+    assert z_image_forward_flops(model.config, tokens, text) * batch == pytest.approx(executed.flops, rel=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------- CLI
