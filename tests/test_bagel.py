@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 from conftest import SHAPE_PROMPTS
+from flop_count import SDPA, count_flops
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
@@ -18,7 +19,14 @@ from polyrl.errors import UserError
 from polyrl.latents import MediaShape
 from polyrl.models import build_model
 from polyrl.models.bagel.autoencoder import AutoencoderGeometry, FluxAutoencoder
-from polyrl.models.bagel.policy import BAGEL_LORA_TARGETS, BagelCheckpointError, bagel_cfg, bagel_sigmas, patchify
+from polyrl.models.bagel.policy import (
+    BAGEL_LORA_TARGETS,
+    BagelCheckpointError,
+    bagel_cfg,
+    bagel_forward_flops,
+    bagel_sigmas,
+    patchify,
+)
 from polyrl.models.base import Guidance
 
 HIDDEN, HEADS, KV_HEADS, INTER, LAYERS, SIDE = 32, 4, 2, 48, 2, 8  # SIDE: latent_pos_embed covers 8×8 patches
@@ -148,6 +156,26 @@ def test_loads_the_public_layout_and_generates_an_image(bagel_dir):
     assert 0 <= images.min() and images.max() <= 1 and images.std() > 0
     back = adapter.encode_media({"images": images})["x"]
     assert back.shape == x.shape
+
+
+def test_flop_count_equals_the_executed_operations(bagel_dir):
+    """bagel_forward_flops (and the adapter's counter) equals the Linear and attention work one guided velocity call
+    executes: prompts of two lengths (the padded text is computed), a text-unconditional row for CFG."""
+    adapter = _adapter(bagel_dir)
+    shape = MediaShape(32, 16)
+    cond = adapter.encode_prompts([SHAPE_PROMPTS[0], SHAPE_PROMPTS[1] + " with a thin outline"])
+    shared = adapter.encode_guidance(Guidance(4.0))
+    x = torch.randn(2, *adapter.latent_shapes(shape)["x"])
+    before = adapter.flops
+    with count_flops(adapter.transformer, SDPA) as executed, torch.no_grad():
+        adapter.velocity({"x": x}, torch.tensor([0.9, 0.3]), cond, shared, 4.0)  # only σ = 0.9 is in cfg_interval
+    assert executed.attention_calls == LAYERS  # one network call: both CFG branches in one batch
+    assert adapter.flops - before == pytest.approx(executed.flops, rel=1e-12)
+    h, w = adapter.latent_shapes(shape)["x"][1:]
+    tokens = (h // 2) * (w // 2)
+    text = cond["text_ids"].shape[1]
+    # 3 rows of the padded width: 2 conditional, 1 text-unconditional (its empty text padded to the batch's width)
+    assert executed.flops == pytest.approx(3 * bagel_forward_flops(adapter.transformer.config, text, tokens), rel=1e-12)
 
 
 def test_prompt_tokens_are_bagels(bagel_dir):
