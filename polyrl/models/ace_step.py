@@ -37,6 +37,7 @@ from ..latents import Latents, MediaShape
 from ..media import Audio
 from .base import Cond, Guidance, Media, Prompt, register_model, text_only
 from .diffusers_base import DiffusersPolicy, frozen
+from .options import read_options
 
 # Self- and cross-attention projections and the gated MLP of every DiT layer (diffusers' module names).
 ACE_LORA_TARGETS = [
@@ -96,26 +97,6 @@ def ace_forward_flops(config, latent_frames: int, context_tokens: int) -> float:
     flops += 2 * 2 * (256 * d + d * d + d * 6 * d)  # time_embed and time_embed_r
     flops += 2 * ctx * enc * d + 2 * n * d * c.in_channels * p + 2 * n * p * c.audio_acoustic_hidden_dim * d
     return float(flops)
-
-
-def read_options(defaults: dict, given: dict) -> dict:
-    """`model.options` over `defaults`, each value of its default's type (numbers, strings; null where the default is
-    null); a bad value is a UserError naming its key."""
-    out = dict(defaults)
-    for key, value in given.items():
-        default = defaults[key]
-        try:
-            if isinstance(default, str):
-                if not isinstance(value, str):
-                    raise TypeError
-                out[key] = value
-            elif value is None and default is None:
-                out[key] = None
-            else:
-                out[key] = float(value)
-        except (TypeError, ValueError):
-            raise UserError(f"model.options.{key}={value!r} is not valid (default: {default!r})") from None
-    return out
 
 
 # ----------------------------------------------------------------------------------------------- adapter

@@ -25,8 +25,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import UserError
-from .ace_step import read_options
 from .base import Cond, Prompt, register_model, text_only
+from .options import read_options
 
 # KV-cache lengths are rounded up to a multiple of these: chunks of similar prompt lengths reuse one cache (and, on a
 # GPU, its compiled graph: coarse buckets, few compiles); without graphs a finer one wastes less attention on padding

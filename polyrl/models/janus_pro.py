@@ -52,9 +52,9 @@ from typing import Any
 import torch
 
 from ..errors import UserError
-from .ace_step import read_options
 from .base import Cond, Prompt, register_model, text_only
 from .causal_lm import CAUSAL_LM_LORA_TARGETS, DTYPES, decoder_forward_flops
+from .options import read_options
 
 BOI_TOKEN = "<begin_of_image>"  # Janus' image start tag: the last prompt token, kept in the unconditional row
 
