@@ -1,7 +1,9 @@
 """model=qwen3_omni: the Qwen3-Omni thinker as a token policy, on a tiny random thinker the tests build (audio encoder,
 vision encoder, MoE decoder) with an offline byte-level tokenizer and a saved image processor / feature extractor.
 Rollout log-probs of multimodal prompts equal a teacher-forced recompute and the thinker's own forward; `polyrl
-train` runs GRPO on rows with image and audio inputs; a row naming a missing file is one error line."""
+train` runs GRPO on rows with image and audio inputs; a row naming a missing file is one error line. Video prompts
+run end to end with real mp4 files read by transformers' `load_video` (PyAV) and a stand-in for the video processor
+(transformers' Qwen2-VL video processor needs torchvision)."""
 
 from __future__ import annotations
 
@@ -304,3 +306,165 @@ def test_conds_of_other_media_widths_concatenate(policy, media):
         for k in got:
             n = want[k].shape[-1]
             assert torch.equal(got[k][..., :n], want[k]) and not got[k][..., n:].any()
+
+
+# ------------------------------------------------------------------------------------------------------------ video
+class StandInVideoProcessor:
+    """What transformers' `Qwen2VLVideoProcessor` (the `AutoVideoProcessor` of a Qwen3-Omni checkpoint; it imports
+    torchvision) does with the tiny config's values, in torch: each video (T, H, W, 3) uint8 is resized to a multiple
+    of patch_size·merge_size within [min_pixels, max_pixels] (`smart_resize`; bicubic), scaled to [0, 1], normalised
+    with the CLIP mean / std, padded with its last frame to a multiple of temporal_patch_size, and cut into patches
+    (grid_t·grid_h·grid_w, C·temporal_patch_size·patch_size²) in its `patchify` order (merge windows contiguous)."""
+
+    patch_size, temporal_patch_size, merge_size, min_pixels, max_pixels = 4, 2, 2, 8 * 8, 32 * 32
+    fps = None  # frames the adapter samples per second: its default, 2
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, videos, return_tensors="pt", **kwargs):
+        from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        self.calls.append(kwargs)
+        p, tp, m = self.patch_size, self.temporal_patch_size, self.merge_size
+        mean, std = torch.tensor(OPENAI_CLIP_MEAN).view(3, 1, 1), torch.tensor(OPENAI_CLIP_STD).view(3, 1, 1)
+        pixels, grids = [], []
+        for video in videos:
+            x = torch.from_numpy(np.asarray(video)).permute(0, 3, 1, 2).float()  # (T, C, H, W)
+            h, w = smart_resize(x.shape[2], x.shape[3], factor=p * m, min_pixels=self.min_pixels,
+                                max_pixels=self.max_pixels)
+            if (h, w) != tuple(x.shape[2:]):
+                x = torch.nn.functional.interpolate(x, size=(h, w), mode="bicubic", align_corners=False)
+                x = x.round().clamp(0, 255)
+            x = (x / 255.0 - mean) / std
+            if pad := -x.shape[0] % tp:
+                x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
+            gt, gh, gw = x.shape[0] // tp, h // p, w // p
+            x = x.reshape(gt, tp, 3, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+            pixels.append(x.reshape(gt * gh * gw, 3 * tp * p * p))
+            grids.append([gt, gh, gw])
+        return {"pixel_values_videos": torch.cat(pixels), "video_grid_thw": torch.tensor(grids)}
+
+
+def write_mp4(path: Path, frames: np.ndarray, fps: int) -> None:
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for f in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        container.mux(stream.encode())
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    """a / b: 16 frames of 32×32 at 8 fps (2 s, other contents); c: 4 frames of 20×36 at 1 fps (4 s)."""
+    root = tmp_path_factory.mktemp("omni_video")
+    rng = np.random.default_rng(0)
+    for name, (t, h, w, fps) in {"a": (16, 32, 32, 8), "b": (16, 32, 32, 8), "c": (4, 20, 36, 1)}.items():
+        write_mp4(root / f"{name}.mp4", rng.integers(0, 256, (t, h, w, 3), dtype=np.uint8), fps)
+    return root
+
+
+@pytest.fixture
+def video_policy(policy, monkeypatch):
+    """The policy with the stand-in as its video processor; the frames still come from `load_video`."""
+    monkeypatch.setitem(policy._processors, "video", StandInVideoProcessor())
+    return policy
+
+
+def video_prompts(media: Path, clips: Path) -> list:
+    m = media / "media"
+    return [{"text": "what moves?", "videos": [str(clips / "a.mp4")]},
+            {"text": "compare", "images": [str(m / "a.png")], "audio": [str(m / "a.wav")],
+             "videos": [str(clips / "c.mp4")]},
+            "say seven",
+            {"text": "two clips", "videos": [str(clips / "c.mp4"), str(clips / "a.mp4")]}]
+
+
+def test_the_stand_in_lays_patches_out_as_the_image_processor(policy, tmp_path):
+    """A still image is a video of temporal_patch_size equal frames: Qwen2-VL's image processor (PIL, no torchvision)
+    gives the same patches in the same order."""
+    from PIL import Image
+
+    frame = np.random.default_rng(3).integers(0, 256, (32, 24, 3), dtype=np.uint8)
+    Image.fromarray(frame).save(tmp_path / "still.png")
+    image = policy._processor("image")(images=[Image.open(tmp_path / "still.png")], return_tensors="pt")
+    video = StandInVideoProcessor()([np.stack([frame, frame])])
+    assert video["video_grid_thw"].tolist() == image["image_grid_thw"].tolist() == [[1, 8, 6]]
+    assert torch.allclose(video["pixel_values_videos"], image["pixel_values"].float(), atol=1e-5)
+
+
+def test_video_placeholders_match_the_vision_encoder(video_policy, media, clips):
+    policy = video_policy
+    ids, cond = policy.encode_prompts(video_prompts(media, clips))
+    c = policy.config
+    # a: 16 frames at 8 fps, read at 2 fps -> 4 frames -> grid 2×8×8 -> 32 tokens, 1 s per grid; c: 4 frames at
+    # 1 fps, all read -> grid 2×4×8 (20×36 resized to 16×32) -> 16 tokens, 2 s per grid
+    assert cond["video_grid_thw"].tolist() == [[[2, 8, 8], [0, 0, 0]], [[2, 4, 8], [0, 0, 0]], [[0, 0, 0]] * 2,
+                                               [[2, 4, 8], [2, 8, 8]]]
+    assert cond["video_second_per_grid"].tolist() == [[1.0, 0.0], [2.0, 0.0], [0.0, 0.0], [2.0, 1.0]]
+    assert cond["pixel_values_videos"].shape == (4, 64 + 128, 3 * 2 * 4 * 4)
+    assert all(call.get("do_sample_frames") is False for call in policy._processors["video"].calls)
+    # each video's placeholder run is as long as what the vision encoder emits for it
+    counts = [sum(t == c.video_token_id for t in row) for row in ids]
+    assert counts == [32, 16, 0, 48]
+    flat = policy._flat_inputs(cond)
+    with torch.no_grad():
+        feats = policy.network.model.get_video_features(flat["pixel_values_videos"], flat["video_grid_thw"],
+                                                        return_dict=True).pooler_output
+    assert [f.shape[0] for f in feats] == [32, 16, 16, 32]
+    text = policy.tokenizer.decode(ids[0])
+    assert text.startswith("<|im_start|>user\n<|vision_start|>" + "<|video_pad|>" * 32 + "<|vision_end|>what moves?")
+    # image, audio and video of one prompt, in the template's order
+    assert [sum(t == c.image_token_id for t in row) for row in ids] == [0, 4, 0, 0]
+    assert [sum(t == c.audio_token_id for t in row) for row in ids] == [0, 4, 0, 0]
+
+
+def test_video_rollout_log_probs_equal_a_teacher_forced_recompute(video_policy, media, clips):
+    policy = video_policy
+    plan = TokenPlan(max_new_tokens=8, temperature=0.8, top_p=0.95, batch_size=3)
+    ps = video_prompts(media, clips) * 2
+    u = draw_uniforms(len(ps), plan, torch.Generator().manual_seed(1))
+    batch = token_rollout(policy, ps, [{}] * len(ps), torch.arange(len(ps)), plan, u)
+    tokens = batch.tokens
+    with torch.no_grad():
+        recomputed = response_token_log_probs(policy, tokens.trimmed(), batch.cond, 0.8)
+    r = recomputed.shape[1]
+    mask = tokens.response_mask[:, :r].bool()
+    assert mask.sum() > 30
+    assert torch.allclose(recomputed[mask], batch.log_probs[:, :r][mask], atol=1e-5)
+    # other rows' micro-batches unpack the padded video inputs per row: the same numbers
+    rows = torch.tensor([7, 4, 1])
+    with torch.no_grad():
+        sub = response_token_log_probs(policy, tokens.select(rows).trimmed(), {k: v[rows] for k, v in batch.cond.items()},
+                                       0.8)
+    n = sub.shape[1]
+    assert torch.allclose(sub * tokens.response_mask[rows, :n], recomputed[rows, :n], atol=1e-5)
+    # the thinker's own forward (its own 3-D positions from pixel_values_videos / video_grid_thw /
+    # video_second_per_grid, no padding): a video, a video with an image and a clip, two videos
+    for i in (0, 1, 3):
+        p, k = int(tokens.prompt_mask[i].sum()), int(tokens.response_mask[i].sum())
+        ids = torch.cat([tokens.prompt_ids[i, -p:], tokens.response_ids[i, :k]])[None]
+        flat = policy._flat_inputs({key: v[i: i + 1] for key, v in batch.cond.items()})
+        assert {"pixel_values_videos", "video_grid_thw", "video_second_per_grid"} <= set(flat)
+        policy.network.model.rope_deltas = None
+        with torch.no_grad():
+            logits = policy.network(input_ids=ids, attention_mask=torch.ones_like(ids), **flat).logits[0, p - 1: p + k - 1]
+        logits[:, policy._banned] = float("-inf")
+        ref = torch.log_softmax(logits / 0.8, -1).gather(-1, ids[0, p:, None]).squeeze(-1)
+        assert torch.allclose(ref, batch.log_probs[i, :k], atol=1e-5), i
+    # another video of the same shape (the same prompt ids): other log-probs for the same tokens
+    other_ids, other = policy.encode_prompts([{"text": "what moves?", "videos": [str(clips / "b.mp4")]}])
+    assert other_ids[0] == policy.encode_prompts(ps[:1])[0][0]
+    swapped = {k: v[:1].clone() for k, v in batch.cond.items()}
+    for k in ("pixel_values_videos", "video_grid_thw", "video_second_per_grid"):
+        swapped[k][:, : other[k].shape[1]] = other[k]
+        swapped[k][:, other[k].shape[1]:] = 0
+    with torch.no_grad():
+        changed = response_token_log_probs(policy, tokens.select(torch.tensor([0])).trimmed(), swapped, 0.8)
+    k = int(tokens.response_mask[0].sum())
+    assert torch.allclose(recomputed[0, :k], batch.log_probs[0, :k], atol=1e-5)
+    assert not torch.allclose(changed[0, :k], batch.log_probs[0, :k], atol=1e-3)

@@ -11,7 +11,10 @@ columns, data/prompts.py). It becomes one user message whose content is the imag
 then the text, put through the chat template with the generation prompt; each media placeholder is then repeated
 as many times as the encoder emits features for it (image / video: grid t·h·w / merge², audio: the thinker's
 downsampled frame count), as transformers' Qwen3-Omni processor does. Audio is read from PCM WAV files (mono mix,
-resampled linearly to the feature extractor's rate).
+resampled linearly to the feature extractor's rate). Videos are decoded by transformers' `load_video` at the video
+processor's `fps` (2 frames per second when unset, as qwen-omni-utils), and a grid of `temporal_patch_size` frames
+spans temporal_patch_size / (frames read per second) seconds (`video_second_per_grid`); the tests run the video path
+with a stand-in for transformers' video processor, which needs torchvision.
 
 `cond` (batch first, zero padded across the batch: a sample without a medium has zero grids / masks; every key is
 always there, zero-width when no prompt of the batch has the medium, so rollouts concatenate, batch.py pads them):
@@ -71,6 +74,14 @@ def read_wav(path: str, rate: int) -> np.ndarray:
         t = np.arange(int(round(len(x) * rate / src))) * (src / rate)
         x = np.interp(t, np.arange(len(x)), x).astype(np.float32)
     return x
+
+
+def frame_indices(metadata, fps: float) -> np.ndarray:
+    """The frames of a video to read: `fps` per second, evenly spaced (every frame when the video's own rate is
+    lower or unknown)."""
+    total = int(metadata.total_num_frames)
+    n = min(total, max(1, round(total / metadata.fps * fps))) if metadata.fps else total
+    return np.arange(n) * total // n
 
 
 def _pad_stack(values: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
@@ -194,17 +205,22 @@ class Qwen3OmniPolicy:
             from transformers.video_utils import load_video
 
             proc = self._processor("video")
-            try:
-                frames = [load_video(f)[0] for f in videos]
-            except Exception as e:
-                raise UserError(f"model=qwen3_omni: cannot read video {videos} ({type(e).__name__}: {e})") from None
-            out = proc(videos=frames, return_tensors="pt")
+            fps = float(getattr(proc, "fps", None) or 2.0)  # frames sampled per second (qwen-omni-utils: 2)
+            frames, seconds = [], []
+            for f in videos:
+                try:
+                    clip, meta = load_video(f, sample_indices_fn=lambda metadata, **_: frame_indices(metadata, fps))
+                except Exception as e:
+                    raise UserError(f"model=qwen3_omni: cannot read video {f!r} ({type(e).__name__}: {e})") from None
+                frames.append(clip)
+                rate = len(clip) * meta.fps / meta.total_num_frames if meta.fps else fps  # frames per second read
+                seconds.append(proc.temporal_patch_size / rate)
+            out = proc(videos=frames, do_sample_frames=False, return_tensors="pt")  # the frames are sampled here
             tensors["pixel_values_videos"] = out["pixel_values_videos"].float()
             tensors["video_grid_thw"] = out["video_grid_thw"].long()
             merge = int(getattr(proc, "merge_size", self.config.vision_config.spatial_merge_size))
             counts["video"] = [int(g.prod()) // merge**2 for g in tensors["video_grid_thw"]]
-            fps = float(getattr(proc, "fps", None) or 2.0)
-            tensors["video_second_per_grid"] = torch.full((len(videos),), proc.temporal_patch_size / fps)
+            tensors["video_second_per_grid"] = torch.tensor(seconds, dtype=torch.float32)
         for kind, ns in counts.items():  # each placeholder -> as many as the encoder's features, in order
             pieces = text.split(self.pads[kind])
             if len(pieces) - 1 != len(ns):
