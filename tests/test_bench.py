@@ -67,6 +67,30 @@ def test_bench_tiny_wan_reports_frames_and_the_wan_flops(tmp_path):
     assert "frames/s" in (out / "bench.md").read_text()
 
 
+def test_bench_tiny_wan_a14b_stores_float8_and_trains_both_experts(tmp_path):
+    """`--workload wan22_a14b` at tiny size: both experts are written in float8 (half of bf16 on disk), load back in
+    the run's dtype, and the FLOPs counted are the two-expert model's (each step runs one expert of equal size)."""
+    from safetensors import safe_open
+
+    from polyrl.models.wan import wan_forward_flops
+
+    out = tmp_path / "bench"
+    assert main(["bench", "--tiny", "--workload", "wan22_a14b", "--out", str(out), "--epochs", "1", "--warmup", "1",
+                 "trainer.progress=false"]) == 0
+    model = out / "wan22_a14b_tiny"
+    for expert in ("transformer", "transformer_2"):
+        with safe_open(str(next((model / expert).glob("*.safetensors"))), "pt") as f:
+            dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+        assert dtypes == {"F8_E4M3"}, (expert, dtypes)
+    s = json.loads((out / "bench.json").read_text())["summary"]
+    assert s["images_per_epoch"] == 2 and s["frames_per_s"] == pytest.approx(5 * s["images_per_s"])
+    config = WanTransformer3DModel.load_config(str(model / "transformer"))
+    tokens = 2 * (64 // 8 // 2) ** 2  # wan2.1 layout: 2 latent frames of (64/8/2)² patches
+    per_sample = wan_forward_flops(SimpleNamespace(**config), tokens, 16)
+    expected = epoch_flops(per_sample, 2, 4, 2, cfg=True, reference_forward=False)
+    assert s["model_tflop_per_epoch"] * 1e12 == pytest.approx(expected, rel=1e-9)
+
+
 def test_bench_tiny_grpo_lm_reports_tokens_per_second_of_each_stage(tmp_path):
     """`--workload grpo_lm` at tiny size: every prompt is exactly 16 tokens, and rollout / training tokens/s are the
     response tokens (and prompt + response tokens) of the measured epoch over that stage's time."""

@@ -141,6 +141,11 @@ class TokenPolicy(Protocol):
         """Token ids -> text, special tokens skipped."""
         ...
 
+    # Optional: `decoding(batch, prompt_width, max_new_tokens)` -> an object with `prefill(prompt, mask, cond)` and
+    # `step(token)`, each returning the last position's logits (B, V) float32, equal to what `forward` with its cache
+    # gives (a faster decoder: model=causal_lm's static KV cache replayed as a CUDA graph), or None for this chunk.
+    # Without it the rollout decodes through `forward` (sampling.tokens.CachedDecoding).
+
 
 POLICY_KINDS = ("diffusion", "tokens")
 
