@@ -159,10 +159,11 @@ def test_prompts_expand_media_placeholders(policy, media):
         policy.encode_prompts([{"text": "x", "masks": ["m.png"]}])
 
 
-def test_rollout_log_probs_equal_a_teacher_forced_recompute(policy, media):
+def rollout_equal_to_its_recompute(policy, ps, seed: int):
+    """Sample `ps` in chunks of 3 (T 0.8, top-p 0.95) and check the stored log-probs against a teacher-forced
+    recompute of the whole batch (1e-5); returns (the rollout, the recomputed log-probs)."""
     plan = TokenPlan(max_new_tokens=8, temperature=0.8, top_p=0.95, batch_size=3)
-    ps = prompts(media) * 2
-    u = draw_uniforms(len(ps), plan, torch.Generator().manual_seed(0))
+    u = draw_uniforms(len(ps), plan, torch.Generator().manual_seed(seed))
     batch = token_rollout(policy, ps, [{}] * len(ps), torch.arange(len(ps)), plan, u)
     tokens = batch.tokens
     with torch.no_grad():
@@ -171,6 +172,12 @@ def test_rollout_log_probs_equal_a_teacher_forced_recompute(policy, media):
     mask = tokens.response_mask[:, :r].bool()
     assert mask.sum() > 30
     assert torch.allclose(recomputed[mask], batch.log_probs[:, :r][mask], atol=1e-5)
+    return batch, recomputed
+
+
+def test_rollout_log_probs_equal_a_teacher_forced_recompute(policy, media):
+    batch, recomputed = rollout_equal_to_its_recompute(policy, prompts(media) * 2, seed=0)
+    tokens = batch.tokens
     # micro-batches of other rows (the actor's) unpack the padded media per row: the same numbers
     with torch.no_grad():
         rows = torch.tensor([6, 0])
@@ -425,17 +432,9 @@ def test_video_placeholders_match_the_vision_encoder(video_policy, media, clips)
 
 def test_video_rollout_log_probs_equal_a_teacher_forced_recompute(video_policy, media, clips):
     policy = video_policy
-    plan = TokenPlan(max_new_tokens=8, temperature=0.8, top_p=0.95, batch_size=3)
     ps = video_prompts(media, clips) * 2
-    u = draw_uniforms(len(ps), plan, torch.Generator().manual_seed(1))
-    batch = token_rollout(policy, ps, [{}] * len(ps), torch.arange(len(ps)), plan, u)
+    batch, recomputed = rollout_equal_to_its_recompute(policy, ps, seed=1)
     tokens = batch.tokens
-    with torch.no_grad():
-        recomputed = response_token_log_probs(policy, tokens.trimmed(), batch.cond, 0.8)
-    r = recomputed.shape[1]
-    mask = tokens.response_mask[:, :r].bool()
-    assert mask.sum() > 30
-    assert torch.allclose(recomputed[mask], batch.log_probs[:, :r][mask], atol=1e-5)
     # other rows' micro-batches unpack the padded video inputs per row: the same numbers
     rows = torch.tensor([7, 4, 1])
     with torch.no_grad():
