@@ -34,6 +34,7 @@ import torch
 
 from ..latents import Latents, MediaShape
 from .base import Cond, Guidance, Media, Prompt, register_model, text_only
+from .condition_images import condition_paths, load_rgb
 from .diffusers_base import DiffusersPolicy, frozen
 from .qwen_image import dynamic_shift_mu, pack_latents, unpack_latents
 
@@ -287,8 +288,6 @@ class FluxKontextPolicy(FluxPolicy):
     def _encode_condition(self, path: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The condition's packed latent tokens (N_c, 4C) and packed grid (1, 2): resized as the pipeline does
         (`resize`, then `preprocess` to [−1, 1]), VAE posterior mode, normalised, packed."""
-        from .qwen_image_edit import load_rgb
-
         image = load_rgb(path)
         w, h = kontext_condition_dims(*image.size, self.condition_size)
         if not (w and h):
@@ -299,8 +298,6 @@ class FluxKontextPolicy(FluxPolicy):
         return pack_latents(z)[0], torch.tensor([[z.shape[-2] // 2, z.shape[-1] // 2]])
 
     def _encode_one(self, prompt: Prompt) -> Cond:
-        from .qwen_image_edit import condition_paths
-
         text, (path,) = condition_paths(prompt, self.family, max_images=1)
         tokens, grid = self._encode_condition(path)
         return {**self._encode_text(text), "condition_latents": tokens, "condition_grids": grid}

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from ..latents import Latents
-from .base import Cond, Guidance, Prompt, prompt_text, register_model
+from .base import Cond, Guidance, Prompt, register_model
+from .condition_images import condition_paths, load_rgb
 from .diffusers_base import pipeline_components
 from .qwen_image import QwenImagePolicy, pack_latents, pad_text, qwen_image_forward_flops, repad, unpack_latents
 
@@ -88,31 +89,6 @@ def grid_groups(grids: torch.Tensor) -> dict[tuple[tuple[int, int], ...], torch.
         key = tuple((int(r), int(c)) for r, c in sample if r > 0)
         groups.setdefault(key, []).append(i)
     return {k: torch.tensor(v, dtype=torch.long) for k, v in groups.items()}
-
-
-def condition_paths(prompt: Prompt, family: str, max_images: int | None) -> tuple[str, list[str]]:
-    """The instruction and the condition image paths of a prompt; a prompt without images is an error."""
-    if isinstance(prompt, str) or not prompt.get("images"):
-        raise ValueError(f"{family} edits a condition image, but the prompt {prompt_text(prompt)!r} carries none "
-                         "(each data row needs an `image` column: a path or a list of paths)")
-    extra = sorted(set(prompt) - {"text", "images"})
-    if extra:
-        raise ValueError(f"{family} reads text and images; the prompt also carries {extra}")
-    images = list(prompt["images"])
-    if max_images is not None and len(images) > max_images:
-        raise ValueError(f"{family} takes {max_images} condition image per prompt, got {len(images)} "
-                         "(model.name=qwen_image_edit_plus takes several)")
-    return prompt["text"], [str(p) for p in images]
-
-
-def load_rgb(path: str):
-    from PIL import Image
-
-    try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except OSError as e:
-        raise ValueError(f"condition image {path}: {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------- adapters

@@ -41,6 +41,7 @@ import torch
 from ..errors import UserError
 from ..latents import Latents, MediaShape
 from .base import Cond, Guidance, Media, Prompt, register_model
+from .condition_images import condition_paths, load_rgb
 from .diffusers_base import load_model_index
 from .wan import WanPolicy, wan_forward_flops
 
@@ -100,8 +101,6 @@ class WanI2VPolicy(WanPolicy):
     def encode_condition(self, path: str) -> torch.Tensor:
         """The condition latents of one image, normalised: (z, 1, h, w) for TI2V (the first latent frame), (z, F_lat,
         h, w) for channel-concat I2V (the image followed by F − 1 zero frames, encoded as one video)."""
-        from .qwen_image_edit import load_rgb
-
         frames, height, width = self.video
         pixels = self.video_processor.preprocess(load_rgb(path), height=height, width=width)
         video = pixels.to(self.device, torch.float32).unsqueeze(2)  # (1, 3, 1, H, W) in [−1, 1]
@@ -111,8 +110,6 @@ class WanI2VPolicy(WanPolicy):
         return ((z - self._latents_mean) * (1.0 / self._latents_std))[0]
 
     def _encode_one(self, prompt: Prompt) -> Cond:
-        from .qwen_image_edit import condition_paths
-
         text, (path,) = condition_paths(prompt, self.family, max_images=1)
         return {**super()._encode_one(text), "condition": self.encode_condition(path)}
 
