@@ -49,6 +49,15 @@ def test_two_steps_on_tiny_sd3(tiny_sd3_dir, shape_prompts_file, tmp_path):
     assert grid.is_file()
 
 
+def test_num_validation_zero_evaluates_without_writing_sample_grids(tiny_sd3_dir, shape_prompts_file, tmp_path):
+    out = tmp_path / "run"
+    assert main(_common(tiny_sd3_dir, shape_prompts_file, out, 1, ["trainer.eval_every=1", "trainer.save_every=0",
+                                                                   "trainer.num_validation=0"])) == 0
+    rows = _metrics(out)
+    assert "eval/reward_mean" in rows[0] and "eval/reward_mean" in rows[1]
+    assert not list(out.glob("samples/step_*"))
+
+
 def test_fresh_run_refuses_existing_run_dir(tiny_sd3_dir, shape_prompts_file, tmp_path, capsys):
     out = tmp_path / "run"
     args = _common(tiny_sd3_dir, shape_prompts_file, out, 1, ["trainer.eval_every=0", "trainer.save_every=1"])

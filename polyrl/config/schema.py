@@ -113,7 +113,7 @@ class TrainerConfig:
     eval_every: int = 10
     eval_samples: int = 64
     eval_seed: int = 1234
-    num_validation: int = 16  # images in each sample grid
+    num_validation: int = 16  # images in each sample grid (0: no sample grids written)
     progress: bool = True
     tensorboard: bool = True  # false: leave tensorboard out of `loggers`
     loggers: list = field(default_factory=lambda: ["tensorboard"])  # any of LOGGERS (trainer/logging.py)

@@ -503,7 +503,7 @@ class Trainer:
                 return
             if self.kind == "tokens":  # every held-out response, as text
                 save_text_samples(batch, self.run_dir / "samples" / f"step_{self.step:06d}.jsonl")
-            else:
+            elif self.cfg.trainer.num_validation > 0:
                 tiles, baselines = self._grid_tiles(batch)
                 save_samples(batch.select(torch.tensor(tiles)), self.run_dir / "samples" / f"step_{self.step:06d}",
                              self.plan.shape.fps, baselines)
