@@ -149,6 +149,22 @@ def test_decode_and_encode_media_roundtrip_the_normalisation(wan):
     torch.testing.assert_close(z * std + mean, posterior, rtol=0, atol=1e-5)
 
 
+def test_decode_slices_only_large_chunks_with_the_same_result(wan, monkeypatch):
+    import polyrl.models.wan as wan_module
+
+    name, _, policy = wan
+    frames, height, width = LAYOUTS[name][1]
+    shape = policy.latent_shapes(MediaShape(height=height, width=width, frames=frames))["x"]
+    x = torch.randn(3, *shape, generator=torch.Generator().manual_seed(4))
+    assert policy.decoded_pixels(x) == frames * height * width
+    batched = policy.decode({"x": x})["video"]
+    assert not policy.vae.use_slicing  # 3 tiny videos: one batch
+    monkeypatch.setattr(wan_module, "SLICE_ABOVE_PIXELS", 2 * frames * height * width)
+    sliced = policy.decode({"x": x})["video"]
+    assert policy.vae.use_slicing  # above the limit: video by video
+    torch.testing.assert_close(sliced, batched, rtol=0, atol=1e-5)
+
+
 def test_sigmas_are_the_shifted_flow_grid(tiny_wan_dir):
     policy = WanPolicy(_cfg(tiny_wan_dir), torch.device("cpu"))
     assert policy.shift == 3.0  # the tiny Wan2.1 scheduler: UniPC with flow_shift 3.0, as published for 1.3B

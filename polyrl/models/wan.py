@@ -97,6 +97,9 @@ def _select(values: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, t
     return {k: v[index] for k, v in values.items()}
 
 
+SLICE_ABOVE_PIXELS = 2**22  # decoded frames × pixels of a whole chunk above which the VAE decodes video by video
+
+
 @register_model("wan")
 class WanPolicy(DiffusersPolicy):
     default_lora_targets = WAN_LORA_TARGETS
@@ -111,7 +114,6 @@ class WanPolicy(DiffusersPolicy):
         if not self.networks:
             raise ValueError(f"{self.root} has neither a 'transformer' nor a 'transformer_2' component")
         self.vae = frozen(self.load("vae", torch.float32), device)  # WanPipeline's own advice: the VAE in float32
-        self.vae.use_slicing = True  # decode a chunk one video at a time (as verl-omni's Wan rollout does): same result
         # UMT5 overflows in float16 (a T5 trait); bfloat16 has float32's range
         text_dtype = torch.bfloat16 if self.dtype == torch.float16 else self.dtype
         self.text_encoder = frozen(self.load("text_encoder", text_dtype), device)
@@ -246,11 +248,19 @@ class WanPolicy(DiffusersPolicy):
         return {"x": out}
 
     # ------------------------------------------------------------------------------------------- media
+    def decoded_pixels(self, x: torch.Tensor) -> int:
+        """Frames × height × width of one video decoded from latents x (B, C, F, h, w)."""
+        _, _, f, h, w = x.shape
+        return ((f - 1) * self.temporal_factor + 1) * h * w * self.spatial_factor**2
+
     @torch.no_grad()
     def decode(self, latents: Latents) -> Media:
         x = latents["x"].to(self.device, torch.float32)
         # WanPipeline's own expression: latents / (1 / latents_std) + latents_mean
         z = x / (1.0 / self._latents_std) + self._latents_mean
+        # large videos one at a time (as verl-omni's Wan rollout decodes: the same result in a fraction of the
+        # memory); small ones as one batch, twice as fast (the toy's 32 clips of 9×48×48: 4.1 → 2.0 s, one CPU thread)
+        self.vae.use_slicing = x.shape[0] * self.decoded_pixels(x) > SLICE_ABOVE_PIXELS
         video = self.vae.decode(z, return_dict=False)[0]  # (B, 3, T, H, W) in [-1, 1]
         return {"video": (video.permute(0, 2, 1, 3, 4).float() / 2 + 0.5).clamp(0, 1)}
 
