@@ -114,6 +114,28 @@ def test_expert_routing_follows_boundary(wan):
         policy.network_for(torch.tensor([0.95, 0.5]))
 
 
+def test_guidance_scale_2_option_overrides_the_checkpoint(wan):
+    """model.options.guidance_scale_2 sets the low-noise expert's CFG scale: its velocity equals the one computed with
+    that scale by hand (v_u + s₂·(v_c − v_u)), and the high-noise expert keeps the rollout's scale."""
+    name, _, policy = wan
+    if name != "wan2.2-a14b":
+        return
+    tuned = WanPolicy(_cfg(policy.root, options={"guidance_scale_2": 1.7}), torch.device("cpu"))
+    assert policy.guidance_scale_2 == 2.5 and tuned.guidance_scale_2 == 1.7
+    frames, height, width = LAYOUTS[name][1]
+    shape = policy.latent_shapes(MediaShape(height=height, width=width, frames=frames))["x"]
+    x = {"x": torch.randn(2, *shape, generator=torch.Generator().manual_seed(5))}
+    sigma = torch.tensor([0.95, 0.3])  # one sample per expert
+    cond = tuned.encode_prompts([PROMPT, PROMPT])
+    shared = tuned.encode_guidance(Guidance(5.0, NEGATIVE))
+    with torch.no_grad():
+        v = tuned.velocity(x, sigma, cond, shared, 5.0)["x"]
+        v_c = tuned._forward(x, sigma, cond)["x"]
+        v_u = tuned._forward(x, sigma, {"prompt_embeds": shared["prompt_embeds"].expand(2, -1, -1)})["x"]
+    torch.testing.assert_close(v[0], (v_u + 5.0 * (v_c - v_u))[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(v[1], (v_u + 1.7 * (v_c - v_u))[1], rtol=0, atol=1e-5)
+
+
 def test_latent_shapes_and_errors(wan):
     name, _, policy = wan
     ti2v = name == "wan2.2-ti2v"

@@ -86,6 +86,27 @@ def test_a14b_trains_both_experts_each_on_its_own_steps(shape_prompts_file, tmp_
         assert lora_b and any(v.abs().sum() > 0 for v in lora_b), expert  # B starts at 0: only a gradient moves it
 
 
+def test_a14b_recipe_trains_both_experts(shape_prompts_file, tmp_path):
+    """`recipe=wan22_a14b_flowgrpo` as published (10 steps, shift 12, windows starting at 0..8, guidance 4 / 3) on a
+    tiny two-expert checkpoint: two CLI steps, and both experts' LoRA adapters moved (the window reaches the
+    low-noise steps 7–9)."""
+    from polyrl.models.tiny import TinyWanSpec, save_tiny_wan
+
+    words = sorted(set(shape_prompts_file.read_text().split()))
+    model = save_tiny_wan(TinyWanSpec(words=words, layout="wan2.1", boundary_ratio=0.875), tmp_path / "a14b")
+    out = tmp_path / "run"
+    args = ["train", "recipe=wan22_a14b_flowgrpo", f"model.path={model}", f"data.path={shape_prompts_file}",
+            f"trainer.output_dir={out}", "trainer.max_steps=2", "trainer.eval_every=0", "trainer.save_every=2",
+            "trainer.progress=false", "trainer.tensorboard=false", "model.dtype=float32", "model.max_sequence_length=16",
+            "rollout.height=32", "rollout.width=32", "rollout.num_frames=5", "rollout.n=4", "data.prompts_per_step=2",
+            "actor.num_minibatches=1", "actor.micro_batch_size=4", "actor.lr=1e-2", "reward.frames=2"]
+    assert main(args) == 0
+    state = load_file(str(out / "checkpoints" / "step_000002" / "adapter_model.safetensors"))
+    for expert in ("transformer", "transformer_2"):
+        lora_b = [v for k, v in state.items() if k.startswith(expert + ".") and "lora_B" in k]
+        assert lora_b and any(v.abs().sum() > 0 for v in lora_b), expert  # B starts at 0: only a gradient moves it
+
+
 def test_gradient_checkpointing_changes_no_number(tiny_wan_dir, shape_prompts_file, tmp_path):
     """actor.gradient_checkpointing recomputes block activations in the backward: same loss, gradients, weights."""
     rows, states = [], []

@@ -6,7 +6,7 @@ recipe for `--warmup + --epochs` epochs, and reports the median of the measured 
 video), seconds per stage, MFU against the matmul rate measured on the same device, peak memory, versions.
 Workloads: `sd35m` (docs/benchmark.md, recipe `sd35m_flowgrpo_bench`), `qwen_image` (`qwen_image_flowgrpo`), `wan22_5b`
 (Wan2.2-TI2V-5B, recipe `wan22_flowgrpo`: full fine-tune at 704×1280, 9 frames), `wan22_a14b` (Wan2.2-T2V-A14B's two
-experts, LoRA on both, the same shape; stored in float8 on disk), `grpo_lm` (GRPO on a
+experts, recipe `wan22_a14b_flowgrpo`: LoRA on both, the same shape; stored in float8 on disk), `grpo_lm` (GRPO on a
 Qwen3-1.7B-shaped causal LM, recipe `causal_lm_grpo`: 8 prompts × 8 samples, 256 prompt tokens, 512 new tokens;
 reports rollout and training tokens/s).
 """
@@ -236,15 +236,11 @@ WORKLOADS = {  # name -> (recipe, extra overrides at full size)
     "wan22_5b": ("wan22_flowgrpo", ["data.prompts_per_step=2", "rollout.batch_size=4", "actor.micro_batch_size=1",
                                     "actor.num_minibatches=1", "model.max_sequence_length=512", "trainer.eval_every=0",
                                     "trainer.save_every=0", "trainer.tensorboard=false"]),
-    # Wan2.2-T2V-A14B (two 14 B experts switched at boundary 0.875, shift 12 as Wan's t2v_A14B config) with LoRA on
-    # both experts (verl-omni's Qwen-Image LoRA values: rank 64, alpha 128, lr 3e-4) and activation checkpointing, at
-    # the Wan2.2 recipe's shape (704×1280, 9 frames, 10 steps, window 2, CFG 5); 1 prompt × 4 videos per step
-    "wan22_a14b": ("wan22_flowgrpo", ["actor=lora", "actor.lora_rank=64", "actor.lora_alpha=128", "actor.lr=3e-4",
-                                      "actor.gradient_checkpointing=true", "model.shift=12.0",
-                                      "data.prompts_per_step=1", "rollout.n=4", "rollout.batch_size=4",
-                                      "actor.micro_batch_size=1", "actor.num_minibatches=1",
-                                      "model.max_sequence_length=512", "trainer.eval_every=0", "trainer.save_every=0",
-                                      "trainer.tensorboard=false"]),
+    # Wan2.2-T2V-A14B (two 14 B experts switched at boundary 0.875) as recipe wan22_a14b_flowgrpo trains it (LoRA r64
+    # on both experts, activation checkpointing, 704×1280, 9 frames, 10 steps, window 2, CFG 4 / 3); 1 prompt × 4
+    # videos per step
+    "wan22_a14b": ("wan22_a14b_flowgrpo", ["data.prompts_per_step=1", "rollout.n=4", "actor.num_minibatches=1",
+                                           "trainer.eval_every=0", "trainer.save_every=0", "trainer.tensorboard=false"]),
 }
 TINY = {  # name -> overrides that make the workload's tiny pipeline run on a CPU in seconds
     "grpo_lm": ["rollout.max_new_tokens=16", "data.prompts_per_step=2", "rollout.n=4", "model.dtype=float32"],

@@ -19,8 +19,9 @@ Differences from `WanPipeline`, on purpose:
   UniPC, whose multistep solver has no per-step Gaussian transition (the step math is ours, sampling/steps.py).
   UniPC applies the same shift to linspace(1, 1/1000, N+1)[:-1] and feeds the network *integer* timesteps
   (int64 of σ·1000); we feed float32 σ·1000 at rollout and in training alike.
-- `guidance_scale_2` is a call argument of `WanPipeline`; polyrl reads it from the checkpoint's model_index.json
-  when that holds a `guidance_scale_2` entry (write one in to use it), else both experts use the rollout's scale.
+- `guidance_scale_2` is a call argument of `WanPipeline`, not a checkpoint entry: polyrl takes it from
+  `model.options.guidance_scale_2`, else from a `guidance_scale_2` entry of model_index.json, else both experts use
+  the rollout's scale.
 
 verl-omni's Wan2.2 adapters (DanceGRPO) differ from both: their text-to-video rollout passes one timestep per sample
 even with expand_timesteps (the same values; the per-token form costs the time embedder once per token), and their
@@ -34,6 +35,7 @@ import torch
 from ..latents import Latents, MediaShape
 from .base import Cond, Media, Prompt, register_model, text_only
 from .diffusers_base import DiffusersPolicy, frozen, load_model_index
+from .options import read_options
 
 # Self-attention, cross-attention and FFN projections of every block (the attention q/k/v/out + FFN set that
 # DiffSynth-Studio's Wan LoRA trains as "q,k,v,o,ffn.0,ffn.2", in diffusers' module names). verl-omni publishes
@@ -104,6 +106,8 @@ SLICE_ABOVE_PIXELS = 2**22  # decoded frames × pixels of a whole chunk above wh
 class WanPolicy(DiffusersPolicy):
     default_lora_targets = WAN_LORA_TARGETS
     family = "Wan"
+    # model.options: guidance_scale_2 — the low-noise expert's CFG scale (Wan2.2-A14B; module docstring)
+    options = {"guidance_scale_2": None}
 
     def __init__(self, cfg, device: torch.device):
         super().__init__(cfg, device, ("vae", "text_encoder", "tokenizer", "scheduler"))
@@ -122,7 +126,8 @@ class WanPolicy(DiffusersPolicy):
         index = load_model_index(self.root)
         self.expand_timesteps = bool(index.get("expand_timesteps", False))
         self.boundary_ratio = index.get("boundary_ratio")
-        self.guidance_scale_2 = index.get("guidance_scale_2")  # not a diffusers key: see the module docstring
+        options = read_options(self.options, dict(getattr(cfg, "options", None) or {}))
+        self.guidance_scale_2 = options["guidance_scale_2"] or index.get("guidance_scale_2")
         self.num_train_timesteps = int(scheduler.config.get("num_train_timesteps", 1000))
         shift = getattr(cfg, "shift", None)
         self.shift = float(shift) if shift is not None else scheduler_shift(scheduler.config)

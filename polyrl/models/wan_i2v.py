@@ -69,7 +69,7 @@ class WanI2VPolicy(WanPolicy):
     family = "Wan image-to-video"
     condition_images = True  # every data row needs an `image` (the trainer refuses rows without)
     # the video size the condition image is prepared for; polyrl/config/model/wan_i2v.yaml sets ${rollout.*}
-    options = {"height": None, "width": None, "num_frames": None}
+    options = {**WanPolicy.options, "height": None, "width": None, "num_frames": None}
 
     def __init__(self, cfg, device: torch.device):
         from diffusers.video_processor import VideoProcessor
