@@ -96,15 +96,17 @@ def test_wan_adapter_loads_it_with_the_trained_conventions(pretrained, adapter):
     assert z.mean(1).abs().max() < 1e-3 and (z.std(1) - 1).abs().max() < 1e-3
 
 
-def test_toy_motion_recipe_trains_one_step(pretrained, tmp_path):
+@pytest.mark.parametrize("recipe,window", [("toy_motion", []),  # DiffusionNFT: ODE rollout, no window
+                                           ("toy_motion_flow_grpo", ["rollout.sde_window_size=2",
+                                                                     "rollout.sde_window_range=[0,2]"])])
+def test_toy_motion_recipe_trains_one_step(pretrained, tmp_path, recipe, window):
     out, prompts = pretrained
     run = tmp_path / "run"
-    args = ["train", "recipe=toy_motion", f"model.path={out}", f"data.path={prompts / 'motion_train.jsonl'}",
+    args = ["train", f"recipe={recipe}", f"model.path={out}", f"data.path={prompts / 'motion_train.jsonl'}",
             f"data.heldout_path={prompts / 'motion_heldout.jsonl'}", f"trainer.output_dir={run}", "trainer.max_steps=1",
             "trainer.eval_every=1", "trainer.eval_samples=2", "trainer.num_validation=2", "trainer.save_every=1",
             "trainer.progress=false", "trainer.tensorboard=false", "rollout.num_steps=4", "rollout.n=2",
-            "rollout.batch_size=4", "rollout.sde_window_size=2", "rollout.sde_window_range=[0,2]",
-            "data.prompts_per_step=2", "actor.num_minibatches=1"]
+            "rollout.batch_size=4", "data.prompts_per_step=2", "actor.num_minibatches=1", *window]
     assert main(args) == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
