@@ -86,6 +86,12 @@ def to_device(latents: Latents, device, dtype: torch.dtype | None = None, non_bl
     return {k: v.to(device, dtype, non_blocking=non_blocking) for k, v in latents.items()}
 
 
+def for_entry(value, name: str):
+    """`value[name]` when `value` holds one value per latent entry (a dict), else `value` itself: σ, std and dt are
+    shared by every entry except in a model that runs a σ schedule per stream (`DiffusionPolicy.stream_sigmas`)."""
+    return value[name] if isinstance(value, dict) else value
+
+
 def entries(x: Latents | torch.Tensor) -> Latents:
     """A bare tensor as the one-entry Latents {"x": tensor} (pure math accepts either)."""
     return x if isinstance(x, dict) else {"x": x}

@@ -28,7 +28,7 @@ from ..batch import Rollout
 from ..distributed.dcp import DCP_DIR, adam_state, load_sharded
 from ..distributed.engine import LocalEngine
 from ..latents import Latents, select_step
-from ..models.base import DiffusionPolicy
+from ..models.base import DiffusionPolicy, stream_sigma_1, stream_sigmas
 from ..sampling.diffusion import SamplingPlan
 from ..sampling.steps import STEPS, StepOut, step_latents
 
@@ -201,7 +201,7 @@ class LocalActor:
 
     def _init_sampler(self, plan) -> None:
         """What re-scoring a stored transition needs from the plan (diffusion: σ_1 and the step function)."""
-        self.sigma_1 = float(self.adapter.sigmas(plan.num_steps, plan.shape)[1])
+        self.sigma_1 = stream_sigma_1(self.adapter, self.adapter.sigmas(plan.num_steps, plan.shape))
         self.step_fn = STEPS[plan.step]
 
     @property
@@ -296,6 +296,9 @@ class LocalActor:
     def _cond(self, batch: Rollout, dev):
         return {k: v.to(dev) for k, v in batch.cond.items()}, {k: v.to(dev) for k, v in batch.shared.items()}
 
+    def stream_sigmas(self, sigma: torch.Tensor):
+        return stream_sigmas(self.adapter, sigma)
+
     def velocity(self, batch: Rollout, latents: Latents, sigma: torch.Tensor, policy: str = "current",
                  guidance: float | None = None) -> Latents:
         dev = self.adapter.device
@@ -312,7 +315,8 @@ class LocalActor:
         cond, shared = self._cond(batch, dev)
         with self.policy(policy):
             v = self.adapter.velocity(x, sigma, cond, shared, self.plan.guidance.scale)
-        out = step_latents(self.step_fn, x, v, sigma, sigma_next, batch.noise_levels[:, k].to(dev), self.sigma_1,
+        out = step_latents(self.step_fn, x, v, stream_sigmas(self.adapter, sigma), stream_sigmas(self.adapter, sigma_next),
+                           batch.noise_levels[:, k].to(dev), self.sigma_1,
                            prev=x_next, log_density=self.plan.log_density)
         if policy == "current":
             out.weight = self._weight(batch, k, out.log_prob.detach())

@@ -31,6 +31,11 @@ class PolicyEvaluator(Protocol):
         """
         ...
 
+    def stream_sigmas(self, sigma: torch.Tensor) -> torch.Tensor | Latents:
+        """σ of the stored grid -> each latent entry's σ (`DiffusionPolicy.stream_sigmas`): forward-process losses
+        noise each entry at its own σ."""
+        ...
+
     def velocity(self, batch: Rollout, latents: Latents, sigma: torch.Tensor, policy: str = "current",
                  guidance: float | None = None) -> Latents:
         """The network's velocity at arbitrary latents (forward-process losses); guidance None = the rollout's."""

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..batch import Rollout
-from ..latents import per_sample, sample_mean
+from ..latents import for_entry, per_sample, sample_mean
 from .base import AlgorithmBase, PolicyEvaluator, register_algorithm, weighted_mean
 
 
@@ -62,10 +62,11 @@ class DiffusionDPO(AlgorithmBase):
         device = next(iter(x0_w.values())).device
         # drawn on the CPU from the update's generator (reproducible on any device), then moved to the batch's
         t = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(b, generator=policy.generator)).to(device)
+        t_entry = policy.stream_sigmas(t)  # each latent entry's own σ where the model's streams differ
         x_t, target = {}, {}
         for k in x0_w:  # winner and loser share the noise and the timestep
             eps = torch.randn(x0_w[k].shape, generator=policy.generator).to(device)
-            t_ = per_sample(t, eps)
+            t_ = per_sample(for_entry(t_entry, k), eps)
             x_t[k] = torch.cat([(1 - t_) * x0_w[k] + t_ * eps, (1 - t_) * x0_l[k] + t_ * eps])
             target[k] = torch.cat([eps - x0_w[k], eps - x0_l[k]])
         both = Rollout.cat([batch, batch])

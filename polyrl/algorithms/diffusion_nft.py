@@ -9,20 +9,21 @@ from __future__ import annotations
 import torch
 
 from ..batch import Rollout
-from ..latents import entries, per_sample, sample_mean
+from ..latents import entries, for_entry, per_sample, sample_mean
 from .base import AlgorithmBase, PolicyEvaluator, register_algorithm, weighted_mean
 
 
 def nft_loss(v_theta, v_old, x_t, x0, t, advantages, adv_clip: float, mix_beta: float) -> tuple[torch.Tensor, dict]:
     """Per-sample L_i = C·[p·mean_d(x̂0⁺−x0)²/w⁺ + (1−p)·mean_d(x̂0⁻−x0)²/w⁻]/β (§3 DiffusionNFT), with
     p = clamp(A, −C, C)/(2C) + ½, v⁺ = β·v_θ + (1−β)·v_old, v⁻ = (1+β)·v_old − β·v_θ, x̂0^± = x_t − t·v^±,
-    w^± = stopgrad(max(mean_d |x̂0^± − x0|, 1e-5)). Returns (per-sample loss, stats)."""
+    w^± = stopgrad(max(mean_d |x̂0^± − x0|, 1e-5)). `t` is (B,), or a dict of each entry's own (streams on their own
+    σ schedules). Returns (per-sample loss, stats)."""
     c, beta = adv_clip, mix_beta
     v_theta, v_old, x_t, x0 = entries(v_theta), entries(v_old), entries(x_t), entries(x0)
     p = advantages.clamp(-c, c) / (2 * c) + 0.5
     x0_pos, x0_neg = {}, {}
     for k in x0:  # every latent entry; the means below are joint over all of them
-        t_ = per_sample(t, x0[k])
+        t_ = per_sample(for_entry(t, k), x0[k])
         v_pos = beta * v_theta[k] + (1 - beta) * v_old[k]
         v_neg = (1 + beta) * v_old[k] - beta * v_theta[k]
         x0_pos[k], x0_neg[k] = x_t[k] - t_ * v_pos, x_t[k] - t_ * v_neg
@@ -71,16 +72,19 @@ class DiffusionNFT(AlgorithmBase):
         lo, hi = self.timestep_range
         # drawn on the CPU from the update's generator (reproducible on any device), then moved to the batch's
         t = (lo + (hi - lo) * torch.rand(len(batch), generator=policy.generator)).to(device)
+        t_entry = policy.stream_sigmas(t)
         x_t = {}
         for k, v in x0.items():
             eps = torch.randn(v.shape, generator=policy.generator).to(device)
-            x_t[k] = (1 - per_sample(t, v)) * v + per_sample(t, v) * eps
+            t_ = per_sample(for_entry(t_entry, k), v)
+            x_t[k] = (1 - t_) * v + t_ * eps
         with torch.no_grad():
             v_old = policy.velocity(batch, x_t, t, policy="old", guidance=1.0)
         v = policy.velocity(batch, x_t, t, guidance=1.0)
         dev = next(iter(v.values())).device
+        t_dev = {k: s.to(dev) for k, s in t_entry.items()} if isinstance(t_entry, dict) else t_entry.to(dev)
         losses, stats = nft_loss(v, v_old, {k: x.to(dev) for k, x in x_t.items()}, {k: x.to(dev) for k, x in x0.items()},
-                                 t.to(dev), batch.advantages.to(dev), self.adv_clip_max, self.mix_beta)
+                                 t_dev, batch.advantages.to(dev), self.adv_clip_max, self.mix_beta)
         loss = weighted_mean(losses, None)
         stats["policy_loss"] = loss.detach()
         if self.ref_coef > 0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..batch import Rollout
-from ..latents import Latents, entries, per_sample, sample_mean
+from ..latents import Latents, entries, for_entry, per_sample, sample_mean
 from .base import AlgorithmBase, PolicyEvaluator, register_algorithm, weighted_mean
 
 
@@ -23,35 +23,49 @@ def ppo_clip_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages
     return weighted_mean(torch.maximum(unclipped, clipped), weight), ratio, (clipped > unclipped)
 
 
-def scaled_sq_dist(mean: Latents | torch.Tensor, other: Latents | torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """mean_d (μ − μ')² / (2·s²) per sample over every latent entry (one joint mean, §1); s = 0 is divided by 1."""
-    s2 = torch.where(std > 0, std, torch.ones_like(std)) ** 2
+def _nonzero(std: torch.Tensor) -> torch.Tensor:
+    return torch.where(std > 0, std, torch.ones_like(std))
+
+
+def scaled_sq_dist(mean: Latents | torch.Tensor, other: Latents | torch.Tensor, std) -> torch.Tensor:
+    """mean_d (μ − μ')² / (2·s²) per sample over every latent entry (one joint mean, §1); s = 0 is divided by 1.
+    `std` is (B,), or a dict with each entry's own std (streams on their own σ schedules)."""
     mean, other = entries(mean), entries(other)
-    return sample_mean({k: (mean[k] - other[k]) ** 2 / (2 * per_sample(s2, mean[k])) for k in mean})
+    return sample_mean({k: (mean[k] - other[k]) ** 2 / (2 * per_sample(_nonzero(for_entry(std, k)) ** 2, mean[k]))
+                        for k in mean})
 
 
-def gaussian_mean_kl(mean: Latents | torch.Tensor, ref_mean: Latents | torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+def gaussian_mean_kl(mean: Latents | torch.Tensor, ref_mean: Latents | torch.Tensor, std) -> torch.Tensor:
     """KL between two Gaussian transitions of equal std: mean_d (μ_θ − μ_ref)² / (2·std²), per sample.
 
-    `std` is the transition std (for `sde`: a·sqrt(σ/(1−σ̃))·sqrt(−dt)), so this is the exact per-element KL.
-    A deterministic step (std = 0, e.g. `cps` into σ' = 0) is not a trained transition: its KL is reported as 0.
+    `std` is the transition std (for `sde`: a·sqrt(σ/(1−σ̃))·sqrt(−dt)), so this is the exact per-element KL; a
+    dict gives each latent entry its own. A deterministic step (std = 0, e.g. `cps` into σ' = 0) is not a trained
+    transition: its KL is reported as 0.
     """
-    kl = scaled_sq_dist(mean, ref_mean, std)
-    return torch.where(std.flatten() > 0, kl, torch.zeros_like(kl))
+    mean, ref_mean = entries(mean), entries(ref_mean)
+    terms = {}
+    for k in mean:
+        s = for_entry(std, k)
+        d = (mean[k] - ref_mean[k]) ** 2 / (2 * per_sample(_nonzero(s) ** 2, mean[k]))
+        terms[k] = torch.where(per_sample(s > 0, d), d, torch.zeros_like(d))
+    return sample_mean(terms)
 
 
 KL_FORMS = ("exact", "flow_grpo")
 
 
-def kl_to_reference(mean, ref_mean, std: torch.Tensor, dt: torch.Tensor, form: str = "exact") -> torch.Tensor:
+def kl_to_reference(mean, ref_mean, std, dt, form: str = "exact") -> torch.Tensor:
     """Per-sample KL term of §3. `exact`: the Gaussian KL mean_d Δμ²/(2s²) with s the transition std.
     `flow_grpo`: flow_grpo's form, which divides by the `sde` std without its √(−dt) factor, i.e. the exact KL ×
-    (−dt) (§3 convention (a)): the same β weighs late, small steps far less than the exact form does."""
-    kl = gaussian_mean_kl(mean, ref_mean, std)
+    (−dt) (§3 convention (a)): the same β weighs late, small steps far less than the exact form does. With a σ
+    schedule per stream (`std`, `dt` dicts) each entry's term takes its own −dt."""
     if form == "exact":
-        return kl
+        return gaussian_mean_kl(mean, ref_mean, std)
     if form == "flow_grpo":
-        return kl * (-dt)
+        if not isinstance(dt, dict):
+            return gaussian_mean_kl(mean, ref_mean, std) * (-dt)
+        # Δμ²·(−dt)/(2s²) = Δμ²/(2·(s/√−dt)²), entry by entry
+        return gaussian_mean_kl(mean, ref_mean, {k: for_entry(std, k) / torch.sqrt(-dt[k]) for k in dt})
     raise ValueError(f"algorithm.kl_form={form!r}; allowed: {', '.join(KL_FORMS)}")
 
 
@@ -62,8 +76,11 @@ def add_reference_kl(policy: PolicyEvaluator, batch: Rollout, k: int, out, beta:
         return loss
     with torch.no_grad():
         ref = policy.step(batch, k, policy="reference")
-    sigmas = batch.sigmas.to(out.log_prob.device)
-    kl = weighted_mean(kl_to_reference(out.mean, ref.mean, out.std, sigmas[:, k + 1] - sigmas[:, k], form), out.weight)
+    dt = out.dt
+    if dt is None:  # a StepOut made without step_latents: the stored schedule's step
+        sigmas = batch.sigmas.to(out.log_prob.device)
+        dt = sigmas[:, k + 1] - sigmas[:, k]
+    kl = weighted_mean(kl_to_reference(out.mean, ref.mean, out.std, dt, form), out.weight)
     stats["kl"] = kl.detach()
     return loss + beta * kl
 

@@ -13,10 +13,13 @@ def guard_log_ratio(log_prob, old_log_prob, mean, old_mean, std) -> torch.Tensor
     """(Δlog p + b)·s with b = mean_d (μ_θ − μ_old)² / (2s²), s the per-sample transition std.
 
     For x' = μ_old + s·z this equals mean_d(z ⊙ (μ_θ − μ_old)) exactly: the −Δμ²/(2s²) bias of the
-    single-sample log-ratio cancels and the 1/s scale that grows at low noise is removed.
+    single-sample log-ratio cancels and the 1/s scale that grows at low noise is removed. With a σ schedule per
+    stream (`std` a dict) the bias takes each entry's own s and the scale is the first entry's (the stream whose σ
+    the batch stores): one per-sample factor, as the clip needs.
     """
     bias = scaled_sq_dist(mean, old_mean, std)
-    return (log_prob - old_log_prob + bias) * std
+    scale = next(iter(std.values())) if isinstance(std, dict) else std
+    return (log_prob - old_log_prob + bias) * scale
 
 
 def inverse_dt_weights(sigmas: torch.Tensor, k: int) -> torch.Tensor:

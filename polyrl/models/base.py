@@ -79,8 +79,16 @@ class DiffusionPolicy(Protocol):
         """The sampling grid σ_0 = 1 > … > σ_N = 0 (float32, length num_steps + 1) for this media shape."""
         ...
 
+    def stream_sigmas(self, sigma: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """σ of the stored grid (`sigmas`) -> the σ each latent entry is at: `sigma` itself when every entry runs one
+        schedule, or one tensor per entry for a model whose streams run their own (MiniMax-H3's audio follows a
+        shift-3 grid beside the video's shift 12). Steps, KL terms and forward-process noising use it
+        (`stream_sigmas` below); optional: a policy without it runs one schedule."""
+        ...
+
     def velocity(self, latents: Latents, sigma: torch.Tensor, cond: Cond, shared: Cond, guidance: float) -> Latents:
-        """The guided velocity in float32; `sigma` is (B,); guidance 1 (or no `shared`) is the conditional one."""
+        """The guided velocity in float32; `sigma` is (B,) on the stored grid (the model maps it per stream itself);
+        guidance 1 (or no `shared`) is the conditional one."""
         ...
 
     def complete_latents(self, latents: Latents, cond: Cond) -> Latents:
@@ -169,3 +177,16 @@ register_model = MODELS.register
 
 def build_model(cfg, device: torch.device) -> DiffusionPolicy | TokenPolicy:
     return MODELS.build(cfg.name, cfg, device)
+
+
+def stream_sigmas(policy, sigma):
+    """`policy.stream_sigmas(sigma)` where the policy has it, else `sigma` (every entry on the stored grid)."""
+    hook = getattr(policy, "stream_sigmas", None)
+    return sigma if hook is None else hook(sigma)
+
+
+def stream_sigma_1(policy, sigmas: torch.Tensor):
+    """σ_1 (the first σ of the grid below 1, which the `sde` step's std uses at σ = 1) for each stream: a float,
+    or a dict of floats per entry when the streams run their own schedules."""
+    s1 = stream_sigmas(policy, sigmas[1:2])
+    return {k: float(v) for k, v in s1.items()} if isinstance(s1, dict) else float(s1)

@@ -17,7 +17,7 @@ import torch
 from ..batch import Rollout
 from ..latents import Latents, MediaShape, cat_latents, map_latents, stack_latents, to_device
 from ..media import Audio, cat_media, cpu_media
-from ..models.base import Cond, DiffusionPolicy, Guidance, Prompt
+from ..models.base import Cond, DiffusionPolicy, Guidance, Prompt, stream_sigma_1, stream_sigmas
 from .steps import STEPS, step_latents
 
 WINDOW_STRATEGIES = ("per_sample", "random", "progressive")
@@ -157,7 +157,7 @@ def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: Ro
     """Run the sampler for one chunk; returns (window latents, log-probs, sigmas, noise levels, final latents,
     window means). Results stay on the device until the end, so the loop never waits for a device-to-host copy."""
     sigmas = adapter.sigmas(plan.num_steps, plan.shape)
-    sigma_1 = float(sigmas[1])
+    sigma_1 = stream_sigma_1(adapter, sigmas)
     starts = noise.starts
     b, w = len(starts), plan.trained_steps
     device = adapter.device
@@ -167,11 +167,11 @@ def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: Ro
     for j in range(plan.num_steps):
         in_window = ((j >= starts) & (j < starts + w)).float().to(device)
         level = plan.noise_level * in_window
-        sigma = sigmas[j].to(device).expand(b)
+        sigma, sigma_next = sigmas[j].to(device).expand(b), sigmas[j + 1].to(device).expand(b)
         v = adapter.velocity(x, sigma, cond, shared, plan.guidance.scale)
         z = {k: s[j].to(device, non_blocking=True) for k, s in noise.steps.items()}
-        out = step_latents(step_fn, x, v, sigma, sigmas[j + 1].to(device).expand(b), level, sigma_1, noise=z,
-                           log_density=plan.log_density)
+        out = step_latents(step_fn, x, v, stream_sigmas(adapter, sigma), stream_sigmas(adapter, sigma_next), level,
+                           sigma_1, noise=z, log_density=plan.log_density)
         x = out.sample
         states.append(x)
         means.append(out.mean)

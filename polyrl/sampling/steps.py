@@ -20,9 +20,10 @@ A step returns `StepOut(sample, log_prob, mean, std)` where `std` is the standar
 transition x' ~ N(mean, std²) (for `sde` that is a·sqrt(σ/(1−σ̃))·sqrt(−dt)). `log_prob` is the per-element
 mean log-density (`mean_d`), which keeps PPO clip ranges of 1e-4…1e-5 meaningful.
 
-The step functions work on one tensor; `step_latents` applies one to every entry of a `Latents` dict (video and
-audio latents of one sample share σ and the transition std) and returns one joint log-density per sample: the
-mean over all entries' elements (`latents.sample_mean`).
+The step functions work on one tensor; `step_latents` applies one to every entry of a `Latents` dict and returns
+one joint log-density per sample: the mean over all entries' elements (`latents.sample_mean`). The entries of one
+sample share σ and the transition std, except in a model whose streams run their own σ schedules (MiniMax-H3:
+video shift 12, audio shift 3): there σ, σ_1, and the returned std and dt are dicts with one value per entry.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..latents import Latents
+from ..latents import Latents, for_entry
 
 
 @dataclass
@@ -40,8 +41,9 @@ class StepOut:
     sample: torch.Tensor | Latents
     log_prob: torch.Tensor  # (B,); 0 where the step is deterministic (std = 0)
     mean: torch.Tensor | Latents
-    std: torch.Tensor  # (B,) transition std
+    std: torch.Tensor | Latents  # (B,) transition std (one per entry when the streams' σ differ)
     weight: torch.Tensor | None = None  # (B,) rollout-correction weight (IS × rejection mask, §4); None = 1
+    dt: torch.Tensor | Latents | None = None  # (B,) σ' − σ (one per entry when the streams' σ differ)
 
 
 def per_sample(t: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
@@ -146,14 +148,16 @@ def squared_distance_log_prob(x: torch.Tensor, mean: torch.Tensor) -> torch.Tens
 LOG_DENSITIES = ("gaussian", "squared_distance")
 
 
-def step_latents(step_fn, x: Latents, v: Latents, sigma, sigma_next, noise_level, sigma_1: float,
+def step_latents(step_fn, x: Latents, v: Latents, sigma, sigma_next, noise_level, sigma_1,
                  noise: Latents | None = None, prev: Latents | None = None, log_density: str = "gaussian") -> StepOut:
-    """`step_fn` applied to every entry of `x` (same σ, σ', a for all entries); `sample` and `mean` are Latents and
-    `log_prob` is the joint per-element mean over all entries, Σ_e D_e·lp_e / Σ_e D_e (§1). `log_density`
-    "squared_distance" scores each transition with −mean_d (x' − μ)² instead (`squared_distance_log_prob`)."""
+    """`step_fn` applied to every entry of `x`; `sample` and `mean` are Latents and `log_prob` is the joint
+    per-element mean over all entries, Σ_e D_e·lp_e / Σ_e D_e (§1). `sigma`, `sigma_next` and `sigma_1` are shared
+    by all entries, or dicts with one value per entry (`DiffusionPolicy.stream_sigmas`; then `std` and `dt` come back
+    as dicts too). `log_density` "squared_distance" scores each transition with −mean_d (x' − μ)² instead
+    (`squared_distance_log_prob`)."""
     if log_density not in LOG_DENSITIES:
         raise ValueError(f"rollout.log_density={log_density!r}; allowed: {', '.join(LOG_DENSITIES)}")
-    outs = {k: step_fn(x[k], v[k], sigma, sigma_next, noise_level, sigma_1,
+    outs = {k: step_fn(x[k], v[k], for_entry(sigma, k), for_entry(sigma_next, k), noise_level, for_entry(sigma_1, k),
                        noise=None if noise is None else noise[k], prev=None if prev is None else prev[k]) for k in x}
     if log_density == "squared_distance":
         for o in outs.values():
@@ -164,4 +168,10 @@ def step_latents(step_fn, x: Latents, v: Latents, sigma, sigma_next, noise_level
     else:
         sizes = {k: x[k][0].numel() for k in x}
         log_prob = sum(o.log_prob * sizes[k] for k, o in outs.items()) / sum(sizes.values())
-    return StepOut({k: o.sample for k, o in outs.items()}, log_prob, {k: o.mean for k, o in outs.items()}, first.std)
+    if isinstance(sigma, dict):
+        std = {k: o.std for k, o in outs.items()}
+        dt = {k: per_sample(sigma_next[k], o.std) - per_sample(sigma[k], o.std) for k, o in outs.items()}
+    else:
+        std, dt = first.std, per_sample(sigma_next, first.std) - per_sample(sigma, first.std)
+    return StepOut({k: o.sample for k, o in outs.items()}, log_prob, {k: o.mean for k, o in outs.items()}, std,
+                   dt=dt)
