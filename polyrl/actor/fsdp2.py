@@ -9,7 +9,7 @@ What differs from replicated weights:
 - gradients are reduced by FSDP2 in the backward; per-head norm weights under tp are summed over tp; the clip
   norm is computed over every shard (`clip_grad_norm`);
 - the `old` (EMA) policy is swapped in by value (FSDP2 gathers from its own storage, so a `.data` swap would be
-  invisible to it); for the same reason the LoRA reference is peft's disable_adapters, not B zeroed in place;
+  invisible to it);
 - checkpoints: rank 0 writes the usual weight files from gathered tensors (LoRA: only the adapter is gathered),
   and every rank writes its shards of the weights, the EMA copy and the AdamW state to `distcp/`, which loads
   on any world size. A checkpoint of the single-process format loads too (its full tensors are cut into shards).
@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from ..distributed.dcp import DCP_DIR, actor_tensors, load_sharded, save_sharded, shard_like
 from ..distributed.fsdp2 import clip_grad_norm, parallelize
-from .local import LocalActor, set_adapters_enabled, set_hyperparameters
+from .local import LocalActor, set_hyperparameters
 
 
 class FSDP2Actor(LocalActor):
@@ -59,19 +59,6 @@ class FSDP2Actor(LocalActor):
     def _reduce_and_clip(self) -> torch.Tensor:
         self.engine.sum_over_tp(self._tp_local)
         return clip_grad_norm(self.params, self.cfg.grad_clip)
-
-    @contextmanager
-    def _without_lora(self):
-        """peft's disable_adapters rather than zeroing B in place: FSDP2 gathers from its own storage and keeps the
-        root's gathered parameters between a forward and its backward, which the reference forward falls between."""
-        networks = list(self.adapter.modules().values())
-        for network in networks:
-            set_adapters_enabled(network, False)
-        try:
-            yield
-        finally:
-            for network in networks:
-                set_adapters_enabled(network, True)
 
     @contextmanager
     def _swap_old(self):

@@ -211,41 +211,19 @@ class LocalActor:
     # ------------------------------------------------------------------------------------ policy contexts
     @contextmanager
     def reference(self):
-        """Run the adapter's networks as the reference policy, without gradients: the frozen initial copies (full
-        fine-tune), or the networks in eval mode with LoRA contributing nothing (`_without_lora`)."""
-        with torch.no_grad():
-            if not self.lora:
-                with self._swap_networks(self.reference_models):
-                    yield
-                return
-            networks = self.adapter.modules().values()
-            modes = [network.training for network in networks]
-            self.train_mode(False)
-            try:
-                with self._without_lora():
-                    yield
-            finally:
-                for network, mode in zip(networks, modes, strict=True):
-                    network.train(mode)
-
-    @contextmanager
-    def _without_lora(self):
-        """LoRA adds B·A·x·scale: with B = 0 it adds exactly 0, the base model. The values are swapped through
-        `.data` (invisible to autograd: the current policy's forward may be waiting for its backward, and gets B
-        back bit for bit), so in eval mode without grad the reference forward is the rollout's compiled graph;
-        peft's disable_adapters would flip requires_grad and a Python flag, two more graphs to compile
-        (docs/performance.md)."""
-        lora_b = [p for name, p in zip(self.param_names, self.params, strict=True) if ".lora_B." in name]
-        if not lora_b:  # else the "reference" would silently be the current policy
-            raise RuntimeError("LoRA actor without trainable lora_B weights: cannot form the reference policy")
-        held = [p.data.clone() for p in lora_b]
-        for p in lora_b:
-            p.data.zero_()
+        """Run the adapter's networks as the reference policy: LoRA disabled, or the frozen initial copies."""
+        if not self.lora:
+            with self._swap_networks(self.reference_models):
+                yield
+            return
+        networks = list(self.adapter.modules().values())
+        for network in networks:
+            set_adapters_enabled(network, False)
         try:
             yield
         finally:
-            for p, value in zip(lora_b, held, strict=True):
-                p.data.copy_(value)
+            for network in networks:
+                set_adapters_enabled(network, True)
 
     @contextmanager
     def _swap_networks(self, replacements: dict[str, torch.nn.Module]):
