@@ -271,8 +271,10 @@ class Trainer:
             self.pairs = loader(cfg.data.pairs_path) if cfg.data.pairs_path else None
         except ValueError as e:  # bad rows, each named by line
             raise UserError(str(e)) from None
-        # a model conditioned on images (model class attribute `condition_images`) refuses a row without one
-        needs_images = bool(getattr(MODELS.get(cfg.model.name), "condition_images", False))
+        # a model conditioned on images (model class attribute `condition_images`: a bool, or a function of
+        # model.options for a model whose modes differ) refuses a row without one
+        needs_images = getattr(MODELS.get(cfg.model.name), "condition_images", False)
+        needs_images = bool(needs_images(cfg.model.options) if callable(needs_images) else needs_images)
         try:
             prompts = None if self.pairs else load_prompts(cfg.data.path, require_image=needs_images)
             self.heldout = (load_prompts(cfg.data.heldout_path, require_image=needs_images)
