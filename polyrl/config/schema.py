@@ -26,6 +26,9 @@ class ModelConfig:
     dtype: str = "float32"
     max_sequence_length: int = 256
     compile: str = "none"  # torch.compile the transformer after LoRA is added (and the SD3 VAE decoder): none | blocks (each block) | full
+    # torch.compile's caches saved after the first step and at each checkpoint, loaded at start (perf/compile.py):
+    # auto = <run dir>/compile_cache.bin (a resumed run starts warm), a path (shared across runs), null = off
+    compile_cache: str | None = "auto"
     fp8: bool = False  # frozen base linears as float8 matmuls (LoRA only; perf/fp8.py)
     shift: float | None = None  # flow shift of the sigma grid where a model takes one (Wan); None: the checkpoint's
     # condition-image models (Qwen-Image-Edit): the condition is resized to about condition_size² pixels (the side of

@@ -41,7 +41,7 @@ from ..errors import UserError
 from ..latents import MediaShape
 from ..models import MODELS, build_model
 from ..models.base import Guidance, policy_kind
-from ..perf.compile import compile_transformer
+from ..perf.compile import compile_cache_path, compile_transformer, load_compile_cache, save_compile_cache
 from ..perf.fp8 import apply_fp8
 from ..perf.timer import StageTimer
 from ..rewards import build_reward
@@ -288,6 +288,11 @@ class Trainer:
         self.sampler = PromptSampler(self.pairs or prompts, t.seed, cfg.data.shuffle)
         self.plan = token_plan_from_config(cfg.rollout) if self.kind == "tokens" else plan_from_config(cfg.rollout)
 
+        self.compile_cache = compile_cache_path(cfg.model.get("compile_cache"), self.run_dir)
+        if cfg.model.get("compile", "none") != "none":
+            loaded = load_compile_cache(self.compile_cache)  # before anything compiled runs (the SD3 VAE decoder too)
+            if loaded:
+                self.say(f"polyrl: compile cache: loaded {loaded / 2**20:.1f} MiB from {self.compile_cache}")
         self.adapter = build_model(cfg.model, self.device)
         try:  # a media shape the model cannot make is a config error, reported before anything runs
             self.latent_shapes = self.adapter.latent_shapes(self.plan.shape) if self.kind == "diffusion" else {}
@@ -587,6 +592,9 @@ class Trainer:
         self._pending = None
         if t.save_every > 0 and (self.step % t.save_every == 0 or last):
             self._save(collective=True)
+        if self.engine.is_main and self.cfg.model.get("compile", "none") != "none" and (
+                self.step == 1 or self.saved_step == self.step):  # the first epoch compiled most; evals add more
+            save_compile_cache(self.compile_cache)
         post = {"reward": f"{metrics['reward/mean']:.3f}"} if "reward/mean" in metrics else {}
         if "eval/reward_mean" in metrics:
             post["heldout"] = f"{metrics['eval/reward_mean']:.3f}"
