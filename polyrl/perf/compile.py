@@ -46,11 +46,14 @@ def load_compile_cache(path: Path | None) -> int:
     """Pre-fill torch.compile's caches (inductor's compiled graphs and kernels, AOTAutograd's graphs, autotuning
     results) from the artifacts a previous run saved, so that this run's graphs load instead of compiling
     (`torch.compiler.load_cache_artifacts`; docs/performance.md: SD3.5-M's first epoch 41 s warm against 112 s cold).
-    Call before the first compiled call. Returns the artifact bytes loaded (0: no file)."""
+    Call before the first compiled call. Returns the artifact bytes loaded (0: no file); unreadable artifacts are a
+    ValueError (compiling from scratch is the caller's fallback)."""
     if path is None or not path.is_file():
         return 0
     data = path.read_bytes()
-    torch.compiler.load_cache_artifacts(data)
+    if torch.compiler.load_cache_artifacts(data) is None:
+        raise ValueError(f"{path}: torch cannot read these compile-cache artifacts (corrupt, or written by another "
+                         "torch version)")
     return len(data)
 
 

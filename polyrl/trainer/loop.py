@@ -290,7 +290,11 @@ class Trainer:
 
         self.compile_cache = compile_cache_path(cfg.model.get("compile_cache"), self.run_dir)
         if cfg.model.get("compile", "none") != "none":
-            loaded = load_compile_cache(self.compile_cache)  # before anything compiled runs (the SD3 VAE decoder too)
+            try:  # before anything compiled runs (the SD3 VAE decoder too)
+                loaded = load_compile_cache(self.compile_cache)
+            except ValueError as e:  # costs only time: the graphs compile as without a cache
+                self.say(f"polyrl: warning: compile cache not loaded: {e}; compiling from scratch")
+                loaded = 0
             if loaded:
                 self.say(f"polyrl: compile cache: loaded {loaded / 2**20:.1f} MiB from {self.compile_cache}")
         self.adapter = build_model(cfg.model, self.device)
