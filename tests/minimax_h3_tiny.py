@@ -59,23 +59,14 @@ def install_processor_shim():
     pu.ProcessorMixin.check_argument_for_proper_class = check
     pu.ProcessorMixin._mmh3_patched = True
 
-    def get_args(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
-        subfolder = kwargs.pop("subfolder", "")
-        kwargs = {k: v for k, v in kwargs.items() if k in ("cache_dir", "local_files_only", "revision", "token")}
-        kwargs["revision"] = None
-        out = []
-        for name in cls.get_attributes():
-            if name == "tokenizer":
-                out.append(AutoTokenizer.from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs))
-            elif name == "image_processor":
-                out.append(
-                    AutoImageProcessor.from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
-                )
-            else:  # video_processor: needs torchvision
-                out.append(None)
-        return out
+    def from_pretrained(cls, pretrained_model_name_or_path, subfolder="", **kwargs):
+        # the tokenizer and the image processor only (transformers' own loader resolves the video processor too,
+        # by a route that changes between versions)
+        root = os.path.join(pretrained_model_name_or_path, subfolder) if subfolder else pretrained_model_name_or_path
+        return cls(image_processor=AutoImageProcessor.from_pretrained(root),
+                   tokenizer=AutoTokenizer.from_pretrained(root), video_processor=None)
 
-    Qwen3VLProcessor._get_arguments_from_pretrained = classmethod(get_args)
+    Qwen3VLProcessor.from_pretrained = classmethod(from_pretrained)
 
 
 # ---------------------------------------------------------------------------------------------------------------
