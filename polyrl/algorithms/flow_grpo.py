@@ -76,11 +76,7 @@ def add_reference_kl(policy: PolicyEvaluator, batch: Rollout, k: int, out, beta:
         return loss
     with torch.no_grad():
         ref = policy.step(batch, k, policy="reference")
-    dt = out.dt
-    if dt is None:  # a StepOut made without step_latents: the stored schedule's step
-        sigmas = batch.sigmas.to(out.log_prob.device)
-        dt = sigmas[:, k + 1] - sigmas[:, k]
-    kl = weighted_mean(kl_to_reference(out.mean, ref.mean, out.std, dt, form), out.weight)
+    kl = weighted_mean(kl_to_reference(out.mean, ref.mean, out.std, out.dt, form), out.weight)
     stats["kl"] = kl.detach()
     return loss + beta * kl
 

@@ -286,8 +286,8 @@ class MiniMaxH3Policy(DiffusersPolicy):
         return {"video": -v, "audio": -a[:, na:]}  # data-ward → polyrl's noise-ward velocity
 
     def velocity(self, latents: Latents, sigma: torch.Tensor, cond: Cond, shared: Cond, guidance: float) -> Latents:
-        if guidance != 1.0:
-            raise UserError(f"rollout.guidance_scale={guidance}: MiniMax-H3 is guidance-distilled; set it to 1")
+        """One transformer call per group of samples sharing a layout and a σ; `guidance` is 1 (`encode_guidance`,
+        which every rollout calls first, refuses another scale)."""
         groups = self._groups(sigma, cond)
         if len(groups) == 1:
             return self._forward(latents, sigma, cond)

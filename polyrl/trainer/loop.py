@@ -289,7 +289,8 @@ class Trainer:
         self.plan = token_plan_from_config(cfg.rollout) if self.kind == "tokens" else plan_from_config(cfg.rollout)
 
         self.compile_cache = compile_cache_path(cfg.model.get("compile_cache"), self.run_dir)
-        if cfg.model.get("compile", "none") != "none":
+        self.compiled = cfg.model.get("compile", "none") != "none"
+        if self.compiled:
             try:  # before anything compiled runs (the SD3 VAE decoder too)
                 loaded = load_compile_cache(self.compile_cache)
             except ValueError as e:  # costs only time: the graphs compile as without a cache
@@ -596,8 +597,7 @@ class Trainer:
         self._pending = None
         if t.save_every > 0 and (self.step % t.save_every == 0 or last):
             self._save(collective=True)
-        if self.engine.is_main and self.cfg.model.get("compile", "none") != "none" and (
-                self.step == 1 or self.saved_step == self.step):  # the first epoch compiled most; evals add more
+        if self.engine.is_main and self.compiled and (self.step == 1 or self.saved_step == self.step):  # the first epoch compiled most; evals add more
             save_compile_cache(self.compile_cache)
         post = {"reward": f"{metrics['reward/mean']:.3f}"} if "reward/mean" in metrics else {}
         if "eval/reward_mean" in metrics:
