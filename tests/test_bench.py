@@ -15,10 +15,21 @@ from polyrl.perf.flops import epoch_flops
 
 def test_bench_tiny_reports_every_stage_and_the_analytic_flops(tmp_path):
     out = tmp_path / "bench"
-    assert main(["bench", "--tiny", "--out", str(out), "--epochs", "1", "--warmup", "1", "trainer.progress=false"]) == 0
+    assert main(["bench", "--tiny", "--out", str(out), "--epochs", "1", "--warmup", "1", "--profile",
+                 "trainer.progress=false"]) == 0
     result = json.loads((out / "bench.json").read_text())
     s = result["summary"]
+    # --profile adds a third epoch under the profiler, kept out of the figures
+    assert [m["step"] for m in result["history"]] == [1, 2, 3]
     assert s["epochs_measured"] == 1 and s["images_per_epoch"] == 8
+    assert s["seconds_per_epoch"] == result["history"][1]["time/step"]
+    regions = json.loads((out / "profile.json").read_text())["regions"]
+    assert {"step", "rollout", "train", "velocity/rollout", "step_math/rollout", "velocity/current",
+            "velocity/reference", "backward", "optimizer"} <= set(regions)
+    # 10 sampling steps in one chunk; 2 micro-batches of 4 images x 9 trained steps, one backward each
+    assert regions["velocity/rollout"]["calls"] == 10 and regions["backward"]["calls"] == 18
+    assert regions["train"]["wall_s"] <= regions["step"]["wall_s"]
+    assert "| velocity/reference | 18 |" in (out / "profile.md").read_text()  # a CPU run: host seconds only
     assert s["images_per_s"] == pytest.approx(8 / s["seconds_per_epoch"])
     assert set(s["stages_s"]) == {"text_encode", "rollout", "decode", "reward", "old_logprob", "train", "weight_sync"}
     assert "mfu" not in s  # no GPU: no measured peak, no MFU

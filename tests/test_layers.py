@@ -8,8 +8,8 @@ import polyrl
 
 ROOT = Path(polyrl.__file__).parent
 # lowest first; a unit may import only units listed before it
-LAYERS = ["errors", "registry", "latents", "media", "batch", "models", "sampling", "algorithms", "toy", "rewards", "data",
-          "distributed", "actor", "perf", "config", "serving", "trainer", "cli", "__init__", "__main__"]
+LAYERS = ["errors", "registry", "latents", "media", "batch", "perf", "models", "sampling", "algorithms", "toy", "rewards", "data",
+          "distributed", "actor", "config", "serving", "trainer", "cli", "__init__", "__main__"]
 
 
 def _unit(path: Path) -> str:

@@ -29,6 +29,7 @@ from ..distributed.dcp import DCP_DIR, adam_state, load_sharded
 from ..distributed.engine import LocalEngine
 from ..latents import Latents, select_step
 from ..models.base import DiffusionPolicy, stream_sigma_1, stream_sigmas
+from ..perf.profile import region
 from ..sampling.diffusion import SamplingPlan
 from ..sampling.steps import STEPS, StepOut, step_latents
 
@@ -282,7 +283,7 @@ class LocalActor:
         dev = self.adapter.device
         cond, shared = self._cond(batch, dev)
         g = self.plan.guidance.scale if guidance is None else guidance
-        with self.policy(policy):
+        with self.policy(policy), region(f"velocity/{policy}"):
             return self.adapter.velocity({k: v.to(dev) for k, v in latents.items()}, sigma.to(dev), cond, shared, g)
 
     def step(self, batch: Rollout, k: int, policy: str = "current") -> StepOut:
@@ -291,7 +292,7 @@ class LocalActor:
         x_next = {name: v.to(dev) for name, v in select_step(batch.latents, k + 1).items()}
         sigma, sigma_next = batch.sigmas[:, k].to(dev), batch.sigmas[:, k + 1].to(dev)
         cond, shared = self._cond(batch, dev)
-        with self.policy(policy):
+        with self.policy(policy), region(f"velocity/{policy}"):
             v = self.adapter.velocity(x, sigma, cond, shared, self.plan.guidance.scale)
         out = step_latents(self.step_fn, x, v, stream_sigmas(self.adapter, sigma), stream_sigmas(self.adapter, sigma_next),
                            batch.noise_levels[:, k].to(dev), self.sigma_1,
@@ -388,7 +389,8 @@ class LocalActor:
                 weight = len(part) if weights is None else float(weights[part.to(weights.device)].sum())
                 for k in range(terms):
                     loss, st = algo.step_loss(self, sub, k)
-                    (loss * share / terms).backward()
+                    with region("backward"):
+                        (loss * share / terms).backward()
                     if self._dummy:
                         continue
                     # stats stay on the device until the update ends: a float() here would sync every step
@@ -399,10 +401,11 @@ class LocalActor:
                         # that difference, the number rollout correction exists for (§4)
                         stats.setdefault("ratio_absdev/first_minibatch", []).append((st["ratio_absdev"].detach(), len(part)))
             self._dummy = False
-            grad_norm = self._reduce_and_clip()
-            if not torch.isfinite(grad_norm):
-                raise FloatingPointError(f"non-finite gradient norm {grad_norm}")
-            self.optimizer.step()
+            with region("optimizer"):
+                grad_norm = self._reduce_and_clip()
+                if not torch.isfinite(grad_norm):
+                    raise FloatingPointError(f"non-finite gradient norm {grad_norm}")
+                self.optimizer.step()
             stats.setdefault("grad_norm", []).append((grad_norm.detach(), 1))
         self.train_mode(False)
         self._update_old(algo)

@@ -257,7 +257,7 @@ TINY["wan22_a14b"] = TINY["wan22_5b"]  # the same tiny video shape; the A14B tin
 
 
 def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[str], model_dir: Path | None = None,
-              workload: str = "sd35m") -> dict:
+              workload: str = "sd35m", profile: bool = False) -> dict:
     from ..config import load_config
     from ..distributed.engine import pick_device
     from ..trainer.loop import Trainer
@@ -279,7 +279,8 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
     peak = measure_matmul_tflops(device)
     recipe, extra = WORKLOADS[workload]
     base = [f"recipe={recipe}", *extra, f"model.path={model_dir}", f"data.path={prompts}",
-            f"trainer.output_dir={out / 'run'}", f"trainer.max_steps={warmup + epochs}", f"trainer.device={device.type}"]
+            f"trainer.output_dir={out / 'run'}", f"trainer.max_steps={warmup + epochs + int(profile)}",
+            f"trainer.device={device.type}"]
     if tiny:
         base += TINY[workload]
     if peak:
@@ -293,10 +294,23 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
     t_setup = time.perf_counter()
     trainer = Trainer(cfg)
     setup_s = time.perf_counter() - t_setup
+    if profile:  # one more epoch after the measured ones, under the profiler (its overhead stays out of the figures)
+        from ..perf.profile import profiled
+
+        one_step = trainer._one_step
+
+        def step_maybe_profiled():
+            if trainer.step < warmup + epochs:
+                return one_step()
+            with profiled(out):
+                return one_step()
+
+        trainer._one_step = step_maybe_profiled
     try:
         history = trainer.fit()
     finally:
         trainer.close()
+    measured = [m for m in history if m.get("step", 0) <= warmup + epochs]
     images = cfg.data.prompts_per_step * cfg.rollout.n
     stack = versions()
     result = {
@@ -309,8 +323,8 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
                       f"transformer {cfg.model.dtype} (autocast), trainable master weights float32, step math float32, "
                       f"VAE weights float32 (decode autocast to the network dtype), compile={cfg.model.compile}"),
         "peak_tflops": cfg.trainer.peak_tflops,
-        "summary": {**summarize(history, warmup, images, cfg.rollout.num_frames, prompt_tokens),
-                    **first_epoch(history, setup_s)},
+        "summary": {**summarize(measured, warmup, images, cfg.rollout.num_frames, prompt_tokens),
+                    **first_epoch(measured, setup_s)},
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "history": history,
     }
@@ -327,9 +341,13 @@ def main(args: list[str]) -> int:
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--model-dir", default=None, help="reuse (or create) the random pipeline here")
     p.add_argument("--workload", default="sd35m", choices=sorted(WORKLOADS))
+    p.add_argument("--profile", action="store_true",
+                   help="profile one more epoch after the measured ones: <out>/profile.md (per stage and phase: wall, "
+                        "device-busy and idle seconds; kernels by kind; the largest kernels and host ops)")
     a, overrides = p.parse_known_args(args)
     result = run_bench(Path(a.out), a.tiny, a.epochs, a.warmup, overrides, Path(a.model_dir) if a.model_dir else None,
-                       a.workload)
+                       a.workload, a.profile)
     print(table(result))
-    print(f"polyrl: wrote {Path(a.out) / 'bench.json'}", file=sys.stderr)
+    print(f"polyrl: wrote {Path(a.out) / 'bench.json'}" + (f" and {Path(a.out) / 'profile.md'}" if a.profile else ""),
+          file=sys.stderr)
     return 0

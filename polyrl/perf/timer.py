@@ -7,6 +7,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .profile import region
+
 
 class StageTimer:
     """`with timer("rollout"): ...` adds the stage's wall seconds to `timer.times["time/rollout"]`."""
@@ -24,7 +26,8 @@ class StageTimer:
         self._sync()
         t0 = time.perf_counter()
         try:
-            yield
+            with region(name):
+                yield
         finally:
             self._sync()
             key = f"time/{name}"

@@ -17,6 +17,7 @@ import torch
 from ..batch import Rollout
 from ..latents import Latents, MediaShape, cat_latents, map_latents, stack_latents, to_device
 from ..media import Audio, cat_media, cpu_media
+from ..perf.profile import region
 from ..models.base import Cond, DiffusionPolicy, Guidance, Prompt, stream_sigma_1, stream_sigmas
 from .steps import STEPS, step_latents
 
@@ -168,10 +169,12 @@ def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: Ro
         in_window = ((j >= starts) & (j < starts + w)).float().to(device)
         level = plan.noise_level * in_window
         sigma, sigma_next = sigmas[j].to(device).expand(b), sigmas[j + 1].to(device).expand(b)
-        v = adapter.velocity(x, sigma, cond, shared, plan.guidance.scale)
-        z = {k: s[j].to(device, non_blocking=True) for k, s in noise.steps.items()}
-        out = step_latents(step_fn, x, v, stream_sigmas(adapter, sigma), stream_sigmas(adapter, sigma_next), level,
-                           sigma_1, noise=z, log_density=plan.log_density)
+        with region("velocity/rollout"):
+            v = adapter.velocity(x, sigma, cond, shared, plan.guidance.scale)
+        with region("step_math/rollout"):
+            z = {k: s[j].to(device, non_blocking=True) for k, s in noise.steps.items()}
+            out = step_latents(step_fn, x, v, stream_sigmas(adapter, sigma), stream_sigmas(adapter, sigma_next),
+                               level, sigma_1, noise=z, log_density=plan.log_density)
         x = out.sample
         states.append(x)
         means.append(out.mean)

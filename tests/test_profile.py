@@ -1,0 +1,66 @@
+"""`polyrl bench --profile`'s trace summary: device-busy time is the union of kernel intervals inside a region, and a
+kernel's time counts for the region that launched it (matched by correlation id), whenever it ran."""
+
+import random
+
+import pytest
+
+from polyrl.perf.profile import kernel_kind, report, summarize_trace, union_length
+
+
+def brute_union(intervals, lo, hi, step=0.5):
+    """Covered length on a grid fine enough for the half-integer test intervals."""
+    n = int((hi - lo) / step)
+    return step * sum(any(s <= lo + (i + 0.5) * step < e for s, e in intervals) for i in range(n))
+
+
+def test_union_length_matches_a_grid_count():
+    rng = random.Random(0)
+    for _ in range(50):
+        intervals = sorted((a, a + rng.randint(1, 12)) for a in (rng.randint(0, 60) for _ in range(rng.randint(0, 9))))
+        lo, hi = rng.randint(0, 30), rng.randint(30, 80)
+        assert union_length(intervals, lo, hi) == pytest.approx(brute_union(intervals, lo, hi))
+
+
+def region(name, ts, dur):
+    return {"ph": "X", "cat": "user_annotation", "name": f"polyrl/{name}", "ts": ts, "dur": dur}
+
+
+def launch(ts, corr):
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "args": {"correlation": corr}}
+
+
+def kernel(name, ts, dur, corr):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+
+def test_regions_report_wall_busy_idle_and_the_device_time_they_launched():
+    # a stage of 1000 µs; inside, phase A launches two kernels early and phase B one kernel that runs after A ends
+    events = [
+        region("train", 0, 1000), region("A", 0, 100), region("B", 100, 50),
+        launch(10, 1), launch(20, 2), launch(120, 3),
+        kernel("sm90_xmma_gemm_bf16", 200, 300, 1),   # launched in A, runs 200..500
+        kernel("triton_poi_fused_mul_0", 400, 200, 2),  # launched in A, overlaps the gemm: busy union 200..600
+        kernel("cudnn_flash_attn_fwd", 700, 100, 3),   # launched in B, runs 700..800
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 10, "dur": 30},
+    ]
+    s = summarize_trace(events)
+    train, a, b = s["regions"]["train"], s["regions"]["A"], s["regions"]["B"]
+    assert train["wall_s"] == pytest.approx(1e-3) and train["busy_s"] == pytest.approx(500e-6)
+    assert train["idle_frac"] == pytest.approx(0.5)
+    assert train["launched_device_s"] == pytest.approx(600e-6)
+    # A's host interval saw no kernel run, but it launched 500 µs of device work; B launched 100 µs
+    assert a["busy_s"] == 0 and a["launched_device_s"] == pytest.approx(500e-6)
+    assert b["launched_device_s"] == pytest.approx(100e-6)
+    assert s["kinds_s"] == pytest.approx({"matmul": 300e-6, "fused elementwise": 200e-6, "attention": 100e-6})
+    assert s["top_kernels"][0]["name"] == "sm90_xmma_gemm_bf16" and s["top_host_ops"][0]["name"] == "aten::mm"
+    text = report(s)
+    assert "| train | 1 | 0.001 | 0.001 | 50.0% | 0.001 |" in text
+
+
+def test_kernel_kinds():
+    assert kernel_kind("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm>") == "matmul"
+    assert kernel_kind("triton_red_fused_native_layer_norm_0") == "fused elementwise"
+    assert kernel_kind("void at::native::elementwise_kernel<copy>") == "copy"
+    assert kernel_kind("flash_fwd_kernel") == "attention"
+    assert kernel_kind("void at::native::reduce_kernel<512>") == "other"
