@@ -17,8 +17,8 @@ import torch
 from ..batch import Rollout
 from ..latents import Latents, MediaShape, cat_latents, map_latents, stack_latents, to_device
 from ..media import Audio, cat_media, cpu_media
-from ..perf.profile import region
 from ..models.base import Cond, DiffusionPolicy, Guidance, Prompt, stream_sigma_1, stream_sigmas
+from ..perf.profile import region
 from .steps import STEPS, step_latents
 
 WINDOW_STRATEGIES = ("per_sample", "random", "progressive")
