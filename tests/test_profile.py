@@ -27,7 +27,12 @@ def region(name, ts, dur):
 
 
 def launch(ts, corr):
-    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "args": {"correlation": corr}}
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "tid": 1,
+            "args": {"correlation": corr}}
+
+
+def op(name, ts, dur):
+    return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": 1}
 
 
 def kernel(name, ts, dur, corr):
@@ -42,25 +47,34 @@ def test_regions_report_wall_busy_idle_and_the_device_time_they_launched():
         kernel("sm90_xmma_gemm_bf16", 200, 300, 1),   # launched in A, runs 200..500
         kernel("triton_poi_fused_mul_0", 400, 200, 2),  # launched in A, overlaps the gemm: busy union 200..600
         kernel("cudnn_flash_attn_fwd", 700, 100, 3),   # launched in B, runs 700..800
-        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 10, "dur": 30},
+        op("aten::linear", 5, 40), op("aten::mm", 10, 30),  # mm (inside linear) launched kernels 1 and 2
+        op("aten::item", 125, 5), launch(127, 4),  # a device-to-host copy launched by item
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pageable)", "ts": 800, "dur": 10,
+         "args": {"correlation": 4}},
     ]
     s = summarize_trace(events)
     train, a, b = s["regions"]["train"], s["regions"]["A"], s["regions"]["B"]
-    assert train["wall_s"] == pytest.approx(1e-3) and train["busy_s"] == pytest.approx(500e-6)
-    assert train["idle_frac"] == pytest.approx(0.5)
-    assert train["launched_device_s"] == pytest.approx(600e-6)
+    assert train["wall_s"] == pytest.approx(1e-3) and train["busy_s"] == pytest.approx(510e-6)
+    assert train["idle_frac"] == pytest.approx(0.49)
+    assert train["launched_device_s"] == pytest.approx(610e-6)
     # A's host interval saw no kernel run, but it launched 500 µs of device work; B launched 100 µs
     assert a["busy_s"] == 0 and a["launched_device_s"] == pytest.approx(500e-6)
-    assert b["launched_device_s"] == pytest.approx(100e-6)
-    assert s["kinds_s"] == pytest.approx({"matmul": 300e-6, "fused elementwise": 200e-6, "attention": 100e-6})
-    assert s["top_kernels"][0]["name"] == "sm90_xmma_gemm_bf16" and s["top_host_ops"][0]["name"] == "aten::mm"
+    assert b["launched_device_s"] == pytest.approx(110e-6)
+    assert s["kinds_s"] == pytest.approx({"matmul": 300e-6, "fused elementwise": 200e-6, "attention": 100e-6,
+                                          "copy": 10e-6})
+    launchers = {k["name"]: (k["s"], k["count"]) for k in s["top_launchers"]}
+    assert launchers == pytest.approx({"aten::mm -> matmul": (300e-6, 1), "aten::mm -> fused elementwise": (200e-6, 1),
+                                       "(no host op) -> attention": (100e-6, 1),
+                                       "aten::item -> Memcpy DtoH (Device -> Pageable)": (10e-6, 1)})
+    assert s["top_kernels"][0]["name"] == "sm90_xmma_gemm_bf16" and s["top_host_ops"][0]["name"] == "aten::linear"
     text = report(s)
-    assert "| train | 1 | 0.001 | 0.001 | 50.0% | 0.001 |" in text
+    assert "| train | 1 | 0.001 | 0.001 | 49.0% | 0.001 |" in text
 
 
 def test_kernel_kinds():
     assert kernel_kind("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm>") == "matmul"
     assert kernel_kind("triton_red_fused_native_layer_norm_0") == "fused elementwise"
+    assert kernel_kind("triton_poi_fused__to_copy_add_cat_mul_6") == "fused elementwise"  # not a copy
     assert kernel_kind("void at::native::elementwise_kernel<copy>") == "copy"
     assert kernel_kind("flash_fwd_kernel") == "attention"
     assert kernel_kind("void at::native::reduce_kernel<512>") == "other"

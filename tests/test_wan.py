@@ -254,3 +254,17 @@ def test_lora_targets_name_every_block_projection():
     model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=WAN_LORA_TARGETS))
     lora = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A" in n}
     assert len(lora) == len(WAN_LORA_TARGETS) * model.config.num_layers
+
+
+def test_decode_runs_in_the_network_precision(wan, monkeypatch):
+    """A bf16 network decodes under bf16 autocast (float32 weights): close to the float32 decode, not equal to it."""
+    name, _, policy = wan
+    frames, height, width = LAYOUTS[name][1]
+    shape = policy.latent_shapes(MediaShape(height=height, width=width, frames=frames))["x"]
+    x = torch.randn(2, *shape, generator=torch.Generator().manual_seed(5))
+    exact = policy.decode({"x": x})["video"]
+    monkeypatch.setattr(policy, "dtype", torch.bfloat16)
+    low = policy.decode({"x": x})["video"]
+    assert low.dtype == torch.float32 and next(policy.vae.parameters()).dtype == torch.float32
+    difference = (low - exact).abs().max().item()
+    assert 0 < difference < 0.05, difference

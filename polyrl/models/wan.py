@@ -266,7 +266,10 @@ class WanPolicy(DiffusersPolicy):
         # large videos one at a time (as verl-omni's Wan rollout decodes: the same result in a fraction of the
         # memory); small ones as one batch, twice as fast (the toy's 32 clips of 9×48×48: 4.1 → 2.0 s, one CPU thread)
         self.vae.use_slicing = x.shape[0] * self.decoded_pixels(x) > SLICE_ABOVE_PIXELS
-        video = self.vae.decode(z, return_dict=False)[0]  # (B, 3, T, H, W) in [-1, 1]
+        # decoding feeds the reward and the sample videos: with a low-precision network its convolutions run in that
+        # precision too (float32 weights, autocast), as SD3's decode does (docs/performance.md: Wan2.2-TI2V-5B)
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            video = self.vae.decode(z, return_dict=False)[0]  # (B, 3, T, H, W) in [-1, 1]
         return {"video": (video.permute(0, 2, 1, 3, 4).float() / 2 + 0.5).clamp(0, 1)}
 
     @torch.no_grad()

@@ -23,10 +23,12 @@ from contextlib import contextmanager
 import torch
 
 PREFIX = "polyrl/"
+# first match wins: inductor's fused kernels are named after their ops (triton_..._to_copy_...), so "triton" comes
+# before "copy"
 KINDS = [("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
          ("matmul", ("gemm", "cutlass", "sm90", "nvjet", "matmul", "scaled_mm", "xmma", "splitk")),
-         ("copy", ("copy", "memcpy", "memset", "cat", "fill")),
-         ("fused elementwise", ("triton",))]
+         ("fused elementwise", ("triton",)),
+         ("copy", ("copy", "memcpy", "memset", "cat", "fill"))]
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -70,8 +72,9 @@ def summarize_trace(events: list[dict], top: int = 15) -> dict:
     complete = [e for e in events if e.get("ph") == "X"]
     device = sorted((e["ts"], e["ts"] + e["dur"], e["name"], e.get("args", {}).get("correlation")) for e in complete
                     if e.get("cat") in DEVICE_CATEGORIES)
-    launch_ts = {e["args"]["correlation"]: e["ts"] for e in complete
-                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    launches = {e["args"]["correlation"]: e for e in complete
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    launch_ts = {c: e["ts"] for c, e in launches.items()}
     launched = sorted((launch_ts[c], end - start) for start, end, _, c in device if c in launch_ts)
     launch_times = [t for t, _ in launched]
     cumulative = [0.0]
@@ -101,6 +104,29 @@ def summarize_trace(events: list[dict], top: int = 15) -> dict:
     for e in complete:
         if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver"):
             host[e["name"]] += e["dur"] / 1e6
+    # device time by the innermost host op that launched it (e.g. which op's copies sync the host)
+    ops_by_thread = defaultdict(list)
+    for e in complete:
+        if e.get("cat") == "cpu_op":
+            ops_by_thread[e.get("tid")].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    starts_by_thread = {}
+    for tid, ops in ops_by_thread.items():
+        ops.sort()
+        starts_by_thread[tid] = [s for s, _, _ in ops]
+    by_launcher, launcher_counts = defaultdict(float), defaultdict(int)
+    for s, e, name, c in device:
+        launch = launches.get(c)
+        op = "(no host op)"
+        if launch is not None and launch.get("tid") in ops_by_thread:
+            ops, starts = ops_by_thread[launch["tid"]], starts_by_thread[launch["tid"]]
+            i = bisect_right(starts, launch["ts"]) - 1
+            while i >= 0 and ops[i][1] < launch["ts"]:  # the latest-starting op still open at the launch
+                i -= 1
+            if i >= 0:
+                op = ops[i][2]
+        key = f"{op} -> {kernel_kind(name) if not name.startswith('Memcpy') else name}"
+        by_launcher[key] += (e - s) / 1e6
+        launcher_counts[key] += 1
     return {
         "regions": per_region,
         "device_s": sum(by_kind.values()),
@@ -108,6 +134,8 @@ def summarize_trace(events: list[dict], top: int = 15) -> dict:
         "top_kernels": [{"name": n, "s": t, "count": counts[n]}
                         for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]],
         "top_host_ops": [{"name": n, "s": t} for n, t in sorted(host.items(), key=lambda kv: -kv[1])[:top]],
+        "top_launchers": [{"name": n, "s": t, "count": launcher_counts[n]}
+                          for n, t in sorted(by_launcher.items(), key=lambda kv: -kv[1])[:top]],
     }
 
 
@@ -128,6 +156,8 @@ def report(summary: dict) -> str:
     lines += [f"| {k} | {t:.3f} | {100 * t / total:.1f}% |" for k, t in summary["kinds_s"].items()]
     lines += ["", "| largest kernels | s | count |", "|---|---|---|"]
     lines += [f"| {k['name'][:120]} | {k['s']:.3f} | {k['count']} |" for k in summary["top_kernels"]]
+    lines += ["", "| launching host op -> device work | s | count |", "|---|---|---|"]
+    lines += [f"| {k['name'][:120]} | {k['s']:.3f} | {k['count']} |" for k in summary["top_launchers"]]
     lines += ["", "| largest host ops (inclusive) | s |", "|---|---|"]
     lines += [f"| {k['name'][:120]} | {k['s']:.3f} |" for k in summary["top_host_ops"]]
     return "\n".join(lines) + "\n"
