@@ -229,7 +229,7 @@ def test_trains_two_steps_through_the_cli(tmp_path, images, layout):
                                      {"prompt": "a blue dog", "image": "img/b.png"}])
     model = save_tiny_wan(TinyWanSpec(words=WORDS, image_to_video=True, **LAYOUTS[layout][0]), tmp_path / "model")
     out = tmp_path / "run"
-    args = ["train", "recipe=wan22_ti2v_flowgrpo", f"model.path={model}", f"data.path={data}",
+    args = ["train", "recipe=wan22_ti2v_flowgrpo", "model.compile=none", f"model.path={model}", f"data.path={data}",
             f"trainer.output_dir={out}", "trainer.max_steps=2", "trainer.eval_every=0", "trainer.save_every=2",
             "trainer.progress=false", "trainer.tensorboard=false", "model.dtype=float32",
             "model.max_sequence_length=16",
@@ -252,7 +252,7 @@ def test_bad_condition_image_is_one_error_line(tmp_path, images, capsys, bad):
     if bad == "unreadable":
         (tmp_path / "b.png").write_bytes(b"not a png")
     data = _data(tmp_path, [{"prompt": PROMPT, "image": "a.png"}, {"prompt": "a blue dog", "image": "b.png"}])
-    args = ["train", "recipe=wan22_ti2v_flowgrpo", "model.path=/nonexistent/ckpt", f"data.path={data}",
+    args = ["train", "recipe=wan22_ti2v_flowgrpo", "model.compile=none", "model.path=/nonexistent/ckpt", f"data.path={data}",
             f"trainer.output_dir={tmp_path / 'run'}", "rollout.height=32", "rollout.width=32", "rollout.num_frames=5"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()

@@ -14,7 +14,7 @@ from polyrl.cli.main import main
 
 def test_wan_trains_two_steps_and_writes_a_grid_video(tiny_wan_dir, shape_prompts_file, tmp_path):
     out = tmp_path / "run"
-    args = ["train", "recipe=wan22_flowgrpo", f"model.path={tiny_wan_dir}", f"data.path={shape_prompts_file}",
+    args = ["train", "recipe=wan22_flowgrpo", "model.compile=none", f"model.path={tiny_wan_dir}", f"data.path={shape_prompts_file}",
             f"trainer.output_dir={out}", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.eval_samples=2",
             "trainer.num_validation=2", "trainer.save_every=2", "trainer.progress=false", "trainer.tensorboard=false",
             "model.dtype=float32", "model.max_sequence_length=16", "rollout.height=32", "rollout.width=32",
@@ -41,7 +41,7 @@ def test_wan_trains_two_steps_and_writes_a_grid_video(tiny_wan_dir, shape_prompt
 
 
 def test_wan_frames_must_be_4k_plus_1(tiny_wan_dir, shape_prompts_file, tmp_path, capsys):
-    args = ["train", "recipe=wan22_flowgrpo", f"model.path={tiny_wan_dir}", f"data.path={shape_prompts_file}",
+    args = ["train", "recipe=wan22_flowgrpo", "model.compile=none", f"model.path={tiny_wan_dir}", f"data.path={shape_prompts_file}",
             f"trainer.output_dir={tmp_path / 'run'}", "model.dtype=float32", "rollout.height=32", "rollout.width=32",
             "rollout.num_frames=6", "trainer.max_steps=1"]
     assert main(args) == 2
@@ -64,7 +64,7 @@ def test_a14b_trains_both_experts_each_on_its_own_steps(shape_prompts_file, tmp_
     model = save_tiny_wan(TinyWanSpec(words=words, layout="wan2.1", boundary_ratio=0.875), tmp_path / "a14b")
     out = tmp_path / "run"
     cfg = load_config([
-        "recipe=wan22_flowgrpo", f"model.path={model}", f"data.path={shape_prompts_file}", f"trainer.output_dir={out}",
+        "recipe=wan22_flowgrpo", "model.compile=none", f"model.path={model}", f"data.path={shape_prompts_file}", f"trainer.output_dir={out}",
         "trainer.max_steps=1", "trainer.eval_every=0", "trainer.save_every=1", "trainer.progress=false",
         "trainer.tensorboard=false", "model.dtype=float32", "model.max_sequence_length=16", "model.shift=3.0",
         "rollout.height=32", "rollout.width=32", "rollout.num_frames=5", "rollout.num_steps=4",
@@ -95,7 +95,7 @@ def test_a14b_recipe_trains_both_experts(shape_prompts_file, tmp_path):
     words = sorted(set(shape_prompts_file.read_text().split()))
     model = save_tiny_wan(TinyWanSpec(words=words, layout="wan2.1", boundary_ratio=0.875), tmp_path / "a14b")
     out = tmp_path / "run"
-    args = ["train", "recipe=wan22_a14b_flowgrpo", f"model.path={model}", f"data.path={shape_prompts_file}",
+    args = ["train", "recipe=wan22_a14b_flowgrpo", "model.compile=none", f"model.path={model}", f"data.path={shape_prompts_file}",
             f"trainer.output_dir={out}", "trainer.max_steps=2", "trainer.eval_every=0", "trainer.save_every=2",
             "trainer.progress=false", "trainer.tensorboard=false", "model.dtype=float32", "model.max_sequence_length=16",
             "rollout.height=32", "rollout.width=32", "rollout.num_frames=5", "rollout.n=4", "data.prompts_per_step=2",
@@ -112,7 +112,7 @@ def test_gradient_checkpointing_changes_no_number(tiny_wan_dir, shape_prompts_fi
     rows, states = [], []
     for flag in ("false", "true"):
         out = tmp_path / flag
-        args = ["train", "recipe=wan22_flowgrpo", f"model.path={tiny_wan_dir}", f"data.path={shape_prompts_file}",
+        args = ["train", "recipe=wan22_flowgrpo", "model.compile=none", f"model.path={tiny_wan_dir}", f"data.path={shape_prompts_file}",
                 f"trainer.output_dir={out}", "trainer.max_steps=1", "trainer.eval_every=0", "trainer.save_every=1",
                 "trainer.progress=false", "trainer.tensorboard=false", "model.dtype=float32",
                 "model.max_sequence_length=16", "rollout.height=32", "rollout.width=32", "rollout.num_frames=5",

@@ -249,7 +249,7 @@ TINY = {  # name -> overrides that make the workload's tiny pipeline run on a CP
     "qwen_image": ["rollout.height=64", "rollout.width=64", "rollout.n=4", "data.prompts_per_step=2",
                    "model.dtype=float32", "model.compile=none", "model.max_sequence_length=16",
                    "actor.micro_batch_size=4"],
-    "wan22_5b": ["rollout.height=64", "rollout.width=64", "rollout.num_frames=5", "rollout.num_steps=4",
+    "wan22_5b": ["rollout.height=64", "rollout.width=64", "rollout.num_frames=5", "rollout.num_steps=4", "model.compile=none",
                  "rollout.sde_window_range=[0,2]", "rollout.n=2", "model.dtype=float32", "model.max_sequence_length=16",
                  "actor.micro_batch_size=2", "reward.frames=2"],
 }
