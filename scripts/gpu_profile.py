@@ -24,19 +24,7 @@ from polyrl.actor.local import add_lora
 from polyrl.models.sd3 import SD3_LORA_TARGETS
 from polyrl.perf.compile import compile_transformer
 from polyrl.perf.fp8 import apply_fp8
-
-KINDS = [("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
-         ("matmul", ("gemm", "cutlass", "sm90", "nvjet", "matmul", "scaled_mm", "xmma", "splitk")),
-         ("copy", ("copy", "memcpy", "memset", "cat", "fill")),
-         ("fused elementwise", ("triton",))]
-
-
-def kind(name: str) -> str:
-    low = name.lower()
-    for k, keys in KINDS:
-        if any(key in low for key in keys):
-            return k
-    return "other"
+from polyrl.perf.profile import kernel_kind
 
 
 def kernel_profile(fn, reps: int = 3):
@@ -48,7 +36,7 @@ def kernel_profile(fn, reps: int = 3):
     for e in prof.key_averages():
         t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
         if t > 0:
-            shares[kind(e.key)] += t
+            shares[kernel_kind(e.key)] += t
             top.append((t, e.count // reps, e.key))
     return shares, top, sum(shares.values()) / reps / 1e3
 
