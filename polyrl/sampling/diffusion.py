@@ -163,16 +163,18 @@ def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: Ro
     b, w = len(starts), plan.trained_steps
     device = adapter.device
     x = to_device(noise.initial, device, torch.float32)
+    # every per-step input goes to the device once per chunk: a copy from pageable host memory inside the loop makes
+    # the host wait for the device at every step, and the device then idles while the next step is launched
+    grid, starts_on, step_noise = sigmas.to(device), starts.to(device), to_device(noise.steps, device)
     step_fn = STEPS[plan.step]
     states, log_probs, levels, means = [x], [], [], []
     for j in range(plan.num_steps):
-        in_window = ((j >= starts) & (j < starts + w)).float().to(device)
-        level = plan.noise_level * in_window
-        sigma, sigma_next = sigmas[j].to(device).expand(b), sigmas[j + 1].to(device).expand(b)
+        level = plan.noise_level * ((j >= starts_on) & (j < starts_on + w)).float()
+        sigma, sigma_next = grid[j].expand(b), grid[j + 1].expand(b)
         with region("velocity/rollout"):
             v = adapter.velocity(x, sigma, cond, shared, plan.guidance.scale)
         with region("step_math/rollout"):
-            z = {k: s[j].to(device, non_blocking=True) for k, s in noise.steps.items()}
+            z = {k: s[j] for k, s in step_noise.items()}
             out = step_latents(step_fn, x, v, stream_sigmas(adapter, sigma), stream_sigmas(adapter, sigma_next),
                                level, sigma_1, noise=z, log_density=plan.log_density)
         x = out.sample
@@ -183,8 +185,10 @@ def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: Ro
     lp_t, lv_t = torch.stack(log_probs, 1).cpu(), torch.stack(levels, 1).cpu()  # (B, N)
     pos = starts.view(-1, 1) + torch.arange(w + 1).view(1, -1)  # (B, W+1)
     rows = torch.arange(b).view(-1, 1)
-    win_latents = map_latents(lambda t: t.cpu()[rows, pos], stack_latents(states))  # (B, W+1, ...)
-    win_means = map_latents(lambda t: t.cpu()[rows, pos[:, :w]], stack_latents(means))
+    # the window is gathered on the device: only its W+1 states (of N+1) cross to the host
+    rows_on, pos_on = rows.to(device), pos.to(device)
+    win_latents = map_latents(lambda t: t[rows_on, pos_on].cpu(), stack_latents(states))  # (B, W+1, ...)
+    win_means = map_latents(lambda t: t[rows_on, pos_on[:, :w]].cpu(), stack_latents(means))
     win_lp = torch.gather(lp_t, 1, pos[:, :w])
     win_levels = torch.gather(lv_t, 1, pos[:, :w])
     return win_latents, win_lp, sigmas[pos], win_levels, {k: v.cpu() for k, v in x.items()}, win_means
