@@ -164,9 +164,9 @@ def report(summary: dict) -> str:
 
 
 @contextmanager
-def profiled(out_dir, keep_trace: bool = False):
-    """Profile the body (host and device); write `profile.md` and `profile.json` (and the Chrome trace, gzipped,
-    with `keep_trace`) into `out_dir`."""
+def profiled(out_dir):
+    """Profile the body (host and device); write `profile.md` and `profile.json` into `out_dir` (the Chrome trace
+    they are read from is hundreds of MB for one epoch of a large model, so it is not kept)."""
     from pathlib import Path
 
     from torch.profiler import ProfilerActivity, profile
@@ -181,9 +181,4 @@ def profiled(out_dir, keep_trace: bool = False):
     summary = summarize_trace(events)
     (out_dir / "profile.json").write_text(json.dumps(summary, indent=1))
     (out_dir / "profile.md").write_text(report(summary))
-    if keep_trace:
-        import gzip
-
-        with open(trace, "rb") as src, gzip.open(out_dir / "profile_trace.json.gz", "wb") as dst:
-            dst.write(src.read())
     trace.unlink()
