@@ -166,7 +166,7 @@ def report(summary: dict) -> str:
 @contextmanager
 def profiled(out_dir):
     """Profile the body (host and device); write `profile.md` and `profile.json` into `out_dir` (the Chrome trace
-    they are read from is hundreds of MB for one epoch of a large model, so it is not kept)."""
+    they are read from holds every op and kernel of the epoch, so it is not kept)."""
     from pathlib import Path
 
     from torch.profiler import ProfilerActivity, profile
