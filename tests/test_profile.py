@@ -62,10 +62,11 @@ def test_regions_report_wall_busy_idle_and_the_device_time_they_launched():
     assert b["launched_device_s"] == pytest.approx(110e-6)
     assert s["kinds_s"] == pytest.approx({"matmul": 300e-6, "fused elementwise": 200e-6, "attention": 100e-6,
                                           "copy": 10e-6})
-    launchers = {k["name"]: (k["s"], k["count"]) for k in s["top_launchers"]}
-    assert launchers == pytest.approx({"aten::mm -> matmul": (300e-6, 1), "aten::mm -> fused elementwise": (200e-6, 1),
-                                       "(no host op) -> attention": (100e-6, 1),
-                                       "aten::item -> Memcpy DtoH (Device -> Pageable)": (10e-6, 1)})
+    seconds = {k["name"]: k["s"] for k in s["top_launchers"]}
+    assert seconds == pytest.approx({"aten::mm -> matmul": 300e-6, "aten::mm -> fused elementwise": 200e-6,
+                                     "(no host op) -> attention": 100e-6,
+                                     "aten::item -> Memcpy DtoH (Device -> Pageable)": 10e-6})
+    assert all(k["count"] == 1 for k in s["top_launchers"])
     assert s["top_kernels"][0]["name"] == "sm90_xmma_gemm_bf16" and s["top_host_ops"][0]["name"] == "aten::linear"
     text = report(s)
     assert "| train | 1 | 0.001 | 0.001 | 49.0% | 0.001 |" in text
