@@ -2,6 +2,9 @@
 
 import json
 import math
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -50,6 +53,32 @@ def test_bench_tiny_reports_every_stage_and_the_analytic_flops(tmp_path):
     assert s["first_epoch_s"] == first["time/step"] and s["setup_s"] > 0
     assert s["time_to_first_step_s"] == pytest.approx(s["setup_s"] + s["first_epoch_s"])
     assert "first epoch s" in (out / "bench.md").read_text()
+
+
+
+def test_bench_under_torchrun_reports_per_gpu_rates_and_the_one_process_numbers(tmp_path):
+    """`torchrun --nproc-per-node=2 -m polyrl bench`: rank 0 builds the pipeline while rank 1 waits, one report is
+    written, the rate is per step and per GPU, and the step's numbers are the one-process run's (same global batch)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    args = ["bench", "--tiny", "--epochs", "1", "--warmup", "0", "trainer.progress=false"]
+    one = subprocess.run([sys.executable, "-m", "polyrl", *args, "--out", str(tmp_path / "one")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                          "polyrl", *args, "--out", str(tmp_path / "two")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("images/s per GPU (2 GPUs)") == 1  # rank 0 alone prints the table
+    a, b = (json.loads((tmp_path / d / "bench.json").read_text()) for d in ("one", "two"))
+    assert (a["world_size"], b["world_size"]) == (1, 2)
+    s = b["summary"]
+    assert s["images_per_epoch"] == a["summary"]["images_per_epoch"] == 8
+    assert s["images_per_s_per_gpu"] == pytest.approx(8 / s["seconds_per_epoch"] / 2)
+    numbers = {k: v for k, v in a["history"][0].items()
+               if isinstance(v, float) and not k.startswith(("time/", "perf/"))}
+    assert {"reward/mean", "grad_norm", "loss"} <= set(numbers)
+    for key, value in numbers.items():  # float32 on a CPU: 4 samples per rank instead of 8 in one batch
+        assert b["history"][0][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
 
 
 def test_regional_compile_finds_the_transformer_blocks():

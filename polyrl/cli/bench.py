@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -203,6 +204,8 @@ def table(result: dict) -> str:
                  ("training tokens/s (prompt + response)", f"{s['train_tokens_per_s']:.0f}")]
     if "frames_per_s" in s:
         rows.append(("frames/s", f"{s['frames_per_s']:.3f}"))
+    if result.get("world_size", 1) > 1:
+        rows.append((f"{unit[:-2]}/s per GPU ({result['world_size']} GPUs)", f"{s['images_per_s_per_gpu']:.3f}"))
     rows.append(("s/epoch", f"{s['seconds_per_epoch']:.2f}"))
     if "first_epoch_s" in s:
         rows.append(("first epoch s (warm-up)", f"{s['first_epoch_s']:.2f} (+{s['setup_s']:.2f} setup)"))
@@ -212,7 +215,8 @@ def table(result: dict) -> str:
     if "mfu" in s:
         rows.append(("MFU", f"{100 * s['mfu']:.1f}% of {result['peak_tflops']:.0f} TFLOP/s"))
     if result.get("peak_memory_gib") is not None:
-        rows.append(("peak GPU memory", f"{result['peak_memory_gib']:.1f} GiB"))
+        rows.append(("peak GPU memory" + (" (rank 0)" if result.get("world_size", 1) > 1 else ""),
+                     f"{result['peak_memory_gib']:.1f} GiB"))
     if "ratio_absdev_first_minibatch" in s:
         rows.append(("|ρ−1| before any update", f"{s['ratio_absdev_first_minibatch']:.2e}"))
     rows.append(("precision", result["precision"]))
@@ -256,26 +260,49 @@ TINY = {  # name -> overrides that make the workload's tiny pipeline run on a CP
 TINY["wan22_a14b"] = TINY["wan22_5b"]  # the same tiny video shape; the A14B tiny pipeline has two experts
 
 
+def wait_for(path: Path, timeout_s: float) -> None:
+    """Block until rank 0 has written `path` (the pipeline is built before it)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not write {path} within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
 def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[str], model_dir: Path | None = None,
               workload: str = "sd35m", profile: bool = False) -> dict:
     from ..config import load_config
     from ..distributed.engine import pick_device
     from ..trainer.loop import Trainer
 
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     out.mkdir(parents=True, exist_ok=True)
     device = pick_device("cpu" if tiny and not torch.cuda.is_available() else "auto")
+    if device.type == "cuda" and world > 1:  # under torchrun: this rank's GPU, as the training engine picks it
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     t0 = time.perf_counter()
-    model_dir = build_pipeline(model_dir or out / f"{workload}_{'tiny' if tiny else 'random'}", tiny, device.type, workload)
+    model_dir = model_dir or out / f"{workload}_{'tiny' if tiny else 'random'}"
+    prompt_tokens = (16 if tiny else LM_PROMPT_TOKENS) if workload == "grpo_lm" else 0
+    prompts = out / ("prompts.jsonl" if workload == "grpo_lm" else "prompts.txt")
+    run_dir = out / "run"
+    if rank == 0:  # one rank builds and writes; the others wait for the finished directory (no process group yet)
+        build_pipeline(model_dir, tiny, device.type, workload)
+        if workload == "grpo_lm":
+            vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+            text = "".join(json.dumps(r) + "\n" for r in lm_prompts(64, prompt_tokens, vocab))
+        else:
+            text = "\n".join(bench_prompts(64)) + "\n"
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        prompts.write_text(text)
+    # one marker per torchrun launch, so that a later launch never reads an earlier launch's files as ready
+    ready = out / f".ready-{os.environ.get('TORCHELASTIC_RUN_ID', 'single')}"
+    if rank == 0 and world > 1:
+        ready.touch()
+    elif rank > 0:
+        wait_for(ready, timeout_s=3600)
     build_s = time.perf_counter() - t0
-    prompt_tokens = 0
-    if workload == "grpo_lm":
-        prompt_tokens = 16 if tiny else LM_PROMPT_TOKENS
-        prompts = out / "prompts.jsonl"
-        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        prompts.write_text("".join(json.dumps(r) + "\n" for r in lm_prompts(64, prompt_tokens, vocab)))
-    else:
-        prompts = out / "prompts.txt"
-        prompts.write_text("\n".join(bench_prompts(64)) + "\n")
     peak = measure_matmul_tflops(device)
     recipe, extra = WORKLOADS[workload]
     base = [f"recipe={recipe}", *extra, f"model.path={model_dir}", f"data.path={prompts}",
@@ -285,9 +312,6 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
         base += TINY[workload]
     if peak:
         base.append(f"trainer.peak_tflops={peak}")
-    run_dir = out / "run"
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
     cfg = load_config(base + list(overrides))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -310,6 +334,8 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
         history = trainer.fit()
     finally:
         trainer.close()
+    if rank:  # rank 0 holds the history (the step's numbers are global) and writes the report
+        return {}
     measured = [m for m in history if m.get("step", 0) <= warmup + epochs]
     images = cfg.data.prompts_per_step * cfg.rollout.n
     stack = versions()
@@ -326,8 +352,10 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
         "summary": {**summarize(measured, warmup, images, cfg.rollout.num_frames, prompt_tokens),
                     **first_epoch(measured, setup_s)},
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "world_size": world,
         "history": history,
     }
+    result["summary"]["images_per_s_per_gpu"] = result["summary"]["images_per_s"] / world
     (out / "bench.json").write_text(json.dumps(result, indent=2))
     (out / "bench.md").write_text(table(result) + "\n")
     return result
@@ -347,6 +375,8 @@ def main(args: list[str]) -> int:
     a, overrides = p.parse_known_args(args)
     result = run_bench(Path(a.out), a.tiny, a.epochs, a.warmup, overrides, Path(a.model_dir) if a.model_dir else None,
                        a.workload, a.profile)
+    if int(os.environ.get("RANK", "0")):
+        return 0
     print(table(result))
     print(f"polyrl: wrote {Path(a.out) / 'bench.json'}" + (f" and {Path(a.out) / 'profile.md'}" if a.profile else ""),
           file=sys.stderr)
