@@ -4,9 +4,15 @@ A policy class may set `parallel_plan = {network name: plan}`; a plan is a dict 
 - `blocks`: the attribute holding the network's repeated blocks (the FSDP2 and activation-checkpointing units);
 - `heads`: the network config key with its attention heads (sp and tp split heads);
 - `sequence` (Ulysses sp): `split` {module: stream} (each module's output (B, S, D) is a token stream, split over
-  the sp ranks after padding to a multiple of sp), `gather` {module: stream} (outputs gathered back to the full
-  stream), `attention` {block-relative attention module: the streams its sequence holds, in order}: their
-  scaled-dot-product attention becomes the all-to-all one;
+  the sp ranks after padding to a multiple of sp; an output tuple is split element by element, e.g. a rotary
+  table (cos, sin) of the stream's tokens), `split_inputs` {module: {forward argument: stream}} (optional: those
+  arguments, by keyword or position, split before the module runs, for tokens made inside a forward rather than by
+  a module of their own, e.g. Wan's video tokens at its first block; module "" is the network itself), `gather`
+  {module: stream} (outputs gathered back to the full stream), `attention` {block-relative attention module: the
+  streams its sequence holds, in order}: their scaled-dot-product attention becomes the all-to-all one (an
+  attention whose keys are whole on every rank, e.g. a cross-attention to text, is left out). Whatever is split
+  into one stream is padded alike; a tensor of one dimension (B,) carries no tokens and passes whole (a per-sample
+  timestep where a per-token one (B, S) would be split);
 - `tensor` (tp): `colwise` / `rowwise` (block-relative linears: heads and MLP hidden columns split, outputs summed),
   `heads` (block-relative attention modules whose `heads` attribute becomes the local count), `local_grads`
   (block-relative modules that act on one rank's heads, e.g. per-head q/k RMS norms: their replicated weights get

@@ -1,10 +1,15 @@
 """Ulysses sequence parallel, applied from outside a plain network by its plan (distributed/plan.py).
 
 Every sp rank of a group holds the same samples. After the modules named in the plan's `split` (e.g. SD3's patch
-embedder for the image tokens, its context embedder for the text tokens) each stream (B, S, D) is padded to a
-multiple of sp and each rank keeps its contiguous 1/sp of the tokens; everything outside attention acts per token
-and runs on that share. Inside each attention module of the plan, the scaled-dot-product attention call
-(B, H, S/sp, D) is swapped (a TorchFunctionMode, so any attention processor that calls
+embedder for the image tokens, its context embedder for the text tokens), and before those named in `split_inputs`
+for the arguments named there (e.g. Wan's first block for the video tokens, whose patch embedder makes them inside
+the network's forward), each stream (B, S, D) is padded to a multiple of sp and each rank keeps its contiguous 1/sp
+of the tokens; everything outside attention acts per token and runs on that share. Per-token side inputs of a
+stream are split with it, padded alike (Wan: the rotary table (1, S, 1, d) from `rope`'s output tuple, the per-token
+timesteps (B, S) of Wan2.2-TI2V, so its time embeddings are computed for the local tokens only); a tensor of one
+dimension (B,) has no tokens and passes whole (Wan's per-sample timestep). A stream split twice in one forward must
+have the same length each time (checked). Inside each attention module of the plan, the scaled-dot-product
+attention call (B, H, S/sp, D) is swapped (a TorchFunctionMode, so any attention processor that calls
 `F.scaled_dot_product_attention` works unchanged) for: all-to-all to (B, H/sp, S, D), attention over the whole
 sequence, all-to-all back. After the `gather` modules (SD3: `proj_out`) the image tokens are gathered back, so the
 network's output is whole and equal on every sp rank.
@@ -21,6 +26,8 @@ factor of 1) is the 1-process gradient.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -42,6 +49,10 @@ class SequenceShards:
         """This rank's share of the tokens of x (B, S, ...), after zero-padding S to a multiple of sp."""
         real = x.shape[1]
         padded = -(-real // self.size) * self.size
+        if self.lengths.get(stream, (real,))[0] != real:
+            raise ValueError(f"sequence parallel: stream {stream!r} split with {real} tokens here but "
+                             f"{self.lengths[stream][0]} earlier in this forward (the plan splits inputs of unequal "
+                             "lengths into one stream)")
         self.lengths[stream] = (real, padded)
         if padded != real:
             x = F.pad(x, (0,) * (2 * (x.dim() - 2)) + (0, padded - real))
@@ -142,9 +153,10 @@ class _UlyssesMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            q, k, v, *rest = args
-            names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-            kwargs = {**dict(zip(names, rest, strict=False)), **kwargs}
+            # by position or by keyword (diffusers' native backend passes query=, key=, value=)
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            kwargs = {**dict(zip(names, args, strict=False)), **kwargs}
+            q, k, v = kwargs.pop("query"), kwargs.pop("key"), kwargs.pop("value")
             # the mode is off while its handler runs: the attention below is the real one
             return ulysses_attention(q, k, v, self.shards, self.streams, func, **kwargs)
         return func(*args, **kwargs)
@@ -160,13 +172,49 @@ def _wrap_forward(module: torch.nn.Module, shards: SequenceShards, streams: list
     module.forward = forward
 
 
+def _split_tokens(shards: SequenceShards, stream: str, x):
+    """x split along its tokens (dim 1); a tuple or list element by element; a tensor of one dimension (one value
+    per sample, no tokens) and anything else whole."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(_split_tokens(shards, stream, item) for item in x)
+    if isinstance(x, torch.Tensor) and x.dim() >= 2:
+        return shards.split(stream, x)
+    return x
+
+
+def _split_arguments_hook(module: torch.nn.Module, arguments: dict[str, str], shards: SequenceShards):
+    """A forward pre-hook (with kwargs) splitting the named arguments of `module.forward`, given by keyword or by
+    position."""
+    names = list(inspect.signature(module.forward).parameters)
+    missing = sorted(set(arguments) - set(names))
+    if missing:
+        raise ValueError(f"{type(module).__name__}.forward has no argument {missing} (sequence plan `split_inputs`)")
+    where = {name: names.index(name) for name in arguments}
+
+    def hook(module, args, kwargs):
+        args = list(args)
+        for name, stream in arguments.items():
+            if name in kwargs:
+                kwargs[name] = _split_tokens(shards, stream, kwargs[name])
+            elif where[name] < len(args):
+                args[where[name]] = _split_tokens(shards, stream, args[where[name]])
+        return tuple(args), kwargs
+
+    return hook
+
+
 def apply_sequence_parallel(network: torch.nn.Module, plan: dict, group) -> SequenceShards:
     """Install the plan's token split / gather hooks and the all-to-all attention on `network` (in place)."""
     seq = plan["sequence"]
     shards = SequenceShards(group)
-    for name, stream in seq["split"].items():
+    # each forward records its streams' lengths afresh (a stream split twice in one forward must agree)
+    network.register_forward_pre_hook(lambda module, args: shards.lengths.clear())
+    for name, arguments in seq.get("split_inputs", {}).items():
+        module = network.get_submodule(name)
+        module.register_forward_pre_hook(_split_arguments_hook(module, arguments, shards), with_kwargs=True)
+    for name, stream in seq.get("split", {}).items():
         network.get_submodule(name).register_forward_hook(
-            lambda module, args, out, stream=stream: shards.split(stream, out))
+            lambda module, args, out, stream=stream: _split_tokens(shards, stream, out))
     for name, stream in seq["gather"].items():
         network.get_submodule(name).register_forward_hook(
             lambda module, args, out, stream=stream: shards.gather(stream, out))

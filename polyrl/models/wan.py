@@ -46,6 +46,19 @@ WAN_LORA_TARGETS = [
     "ffn.net.0.proj", "ffn.net.2",
 ]
 
+# actor.backend=fsdp2 (distributed/plan.py): each block is an FSDP / checkpointing unit. Sequence parallel: the video
+# tokens are made inside the forward (Conv3d patch embedding, then flatten), so they are split as the first block's
+# `hidden_states` argument; the rotary table (cos, sin), computed for the whole video by `rope`, is split with them,
+# and so are Wan2.2-TI2V's per-token timesteps (the network's `timestep` argument, (B, S): the condition embedder
+# then makes temb / timestep_proj for the local tokens; a per-sample timestep (B,) passes whole). Only the
+# self-attention (attn1) is all-to-all: the cross-attention's queries are local video tokens and its keys the whole
+# text on every rank. proj_out's output is gathered before the unpatchify. A14B's two experts share the plan.
+WAN_PARALLEL_PLAN = {
+    "blocks": "blocks", "heads": "num_attention_heads",
+    "sequence": {"split_inputs": {"": {"timestep": "video"}, "blocks.0": {"hidden_states": "video"}},
+                 "split": {"rope": "video"}, "gather": {"proj_out": "video"}, "attention": {"attn1": ["video"]}},
+}
+
 
 # ----------------------------------------------------------------------------------------------- pure math
 def wan_forward_flops(config, video_tokens: int, text_tokens: int, per_token_timesteps: bool = False) -> float:
@@ -106,6 +119,7 @@ SLICE_ABOVE_PIXELS = 2**22  # decoded frames × pixels of a whole chunk above wh
 class WanPolicy(DiffusersPolicy):
     default_lora_targets = WAN_LORA_TARGETS
     family = "Wan"
+    parallel_plan = {"transformer": WAN_PARALLEL_PLAN, "transformer_2": WAN_PARALLEL_PLAN}
     # model.options: guidance_scale_2 — the low-noise expert's CFG scale (Wan2.2-A14B; module docstring)
     options = {"guidance_scale_2": None}
 
