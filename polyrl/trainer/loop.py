@@ -440,7 +440,8 @@ class Trainer:
             timings["perf/tflops"] = step_flops / 1e12
             timings["perf/achieved_tflops_per_s"] = step_flops / 1e12 / timings["time/step"]
             if cfg.trainer.peak_tflops:
-                timings["perf/mfu"] = timings["perf/achieved_tflops_per_s"] / (cfg.trainer.peak_tflops * engine.world_size)
+                gpus = engine.world_size + (self.remote.gpus if self.remote is not None else 0.0)
+                timings["perf/mfu"] = timings["perf/achieved_tflops_per_s"] / (cfg.trainer.peak_tflops * gpus)
         return {
             "step": step + 1,
             "reward/mean": float(rewards.mean()),

@@ -69,6 +69,8 @@ class RayStages:
     reward_stage: RayRewardStage | None
     rollout: RayRollout | None
     started_ray: bool
+    # GPUs the worker groups hold beside the driver's: MFU counts them (the replicas' forwards are in the FLOPs)
+    gpus: float = 0.0
 
     def sync(self) -> dict[str, float]:
         """After every update: the rollout replicas get the new weights (nothing to move when colocated)."""
@@ -116,7 +118,9 @@ def launch(cfg: DictConfig, actor, adapter, reads_media: bool) -> RayStages:
     except BaseException:
         RayStages(reward_stage, rollout, started).close()
         raise
-    return RayStages(reward_stage, rollout, started)
+    held = (cfg.rollout.workers * gpus if rollout is not None else 0.0) + (
+        r.reward_workers * r.reward_gpus if reward_stage is not None else 0.0)
+    return RayStages(reward_stage, rollout, started, held)
 
 
 def check_fits(cfg: DictConfig, rollout_gpus: float) -> None:
