@@ -10,7 +10,8 @@ the sum over sp ranks adds up the tokens.
 
 Mixed precision is FSDP2's `MixedPrecisionPolicy`: parameters are gathered in the model's dtype (bfloat16 for a
 bfloat16 run; the trainable ones are kept in float32 as the optimizer's master copy) and gradients are reduced in
-float32.
+float32. Forward inputs are not cast: every block gets what it gets with the local backend (autocast sets the
+compute dtype).
 """
 
 from __future__ import annotations
@@ -124,8 +125,11 @@ def parallelize(network: torch.nn.Module, plan: dict | None, engine: FSDP2Engine
         from .ulysses import apply_sequence_parallel
 
         apply_sequence_parallel(network, plan, engine.sp_group)
+    # inputs are left as the network makes them (autocast picks the compute dtype, as with the local backend): FSDP2
+    # casting them to param_dtype before a block's forward but (torch < 2.13) not before its recompute under
+    # activation checkpointing made the recompute differ from the forward (CheckpointError on the GPU)
     mp = MixedPrecisionPolicy(param_dtype=None if param_dtype == torch.float32 else param_dtype,
-                              reduce_dtype=torch.float32)
+                              reduce_dtype=torch.float32, cast_forward_inputs=False)
     # one rank holds everything anyway: keep the gathered weights between forwards instead of copying them again
     reshard = engine.fsdp_mesh.size() > 1
     for block in blocks_of(network, plan):
