@@ -286,7 +286,7 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
     prompt_tokens = (16 if tiny else LM_PROMPT_TOKENS) if workload == "grpo_lm" else 0
     prompts = out / ("prompts.jsonl" if workload == "grpo_lm" else "prompts.txt")
     run_dir = out / "run"
-    if rank == 0:  # one rank builds and writes; the others wait for the finished directory (no process group yet)
+    if rank == 0:  # one rank builds and writes; the others wait for its marker below (no process group yet)
         build_pipeline(model_dir, tiny, device.type, workload)
         if workload == "grpo_lm":
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -324,7 +324,7 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
         one_step = trainer._one_step
 
         def step_maybe_profiled():
-            if trainer.step < warmup + epochs:
+            if trainer.step < warmup + epochs or rank:  # under torchrun rank 0 alone writes the profile
                 return one_step()
             with profiled(out):
                 return one_step()
