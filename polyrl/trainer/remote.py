@@ -118,9 +118,12 @@ def launch(cfg: DictConfig, actor, adapter, reads_media: bool) -> RayStages:
     except BaseException:
         RayStages(reward_stage, rollout, started).close()
         raise
-    held = (cfg.rollout.workers * gpus if rollout is not None else 0.0) + (
-        r.reward_workers * r.reward_gpus if reward_stage is not None else 0.0)
-    return RayStages(reward_stage, rollout, started, held)
+    return RayStages(reward_stage, rollout, started, worker_gpus(cfg, gpus))
+
+
+def worker_gpus(cfg: DictConfig, rollout_gpus: float) -> float:
+    """GPUs the rollout replicas and reward workers ask for together."""
+    return cfg.rollout.workers * rollout_gpus + cfg.ray.reward_workers * cfg.ray.reward_gpus
 
 
 def check_fits(cfg: DictConfig, rollout_gpus: float) -> None:
@@ -130,7 +133,7 @@ def check_fits(cfg: DictConfig, rollout_gpus: float) -> None:
     r = cfg.ray
     have = ray.cluster_resources()
     cpus = (cfg.rollout.workers + r.reward_workers) * r.worker_cpus
-    gpus = cfg.rollout.workers * rollout_gpus + r.reward_workers * r.reward_gpus
+    gpus = worker_gpus(cfg, rollout_gpus)
     if cpus > have.get("CPU", 0) or gpus > have.get("GPU", 0):
         raise UserError(
             f"the worker groups ask for {cpus:g} CPUs and {gpus:g} GPUs (rollout.workers={cfg.rollout.workers}, "
