@@ -68,8 +68,10 @@ def test_regions_report_wall_busy_idle_and_the_device_time_they_launched():
                                      "aten::item -> Memcpy DtoH (Device -> Pageable)": 10e-6})
     assert all(k["count"] == 1 for k in s["top_launchers"])
     assert s["top_kernels"][0]["name"] == "sm90_xmma_gemm_bf16" and s["top_host_ops"][0]["name"] == "aten::linear"
+    assert [k["name"] for k in s["top_kernels_by_kind"]["copy"]] == ["Memcpy DtoH (Device -> Pageable)"]
     text = report(s)
     assert "| train | 1 | 0.001 | 0.001 | 49.0% | 0.001 |" in text
+    assert "| largest copy kernels | s | count |\n|---|---|---|\n| Memcpy DtoH (Device -> Pageable) | 0.000 | 1 |" in text
 
 
 def test_kernel_kinds():

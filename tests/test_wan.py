@@ -27,8 +27,8 @@ LAYOUTS = {  # name -> (spec kwargs, video size (frames, height, width), extra m
 
 
 def _cfg(path, **kw):
-    return SimpleNamespace(name="wan", path=str(path), dtype="float32", max_sequence_length=MAX_LEN, compile="none",
-                           fp8=False, **kw)
+    return SimpleNamespace(**{"name": "wan", "path": str(path), "dtype": "float32", "max_sequence_length": MAX_LEN,
+                              "compile": "none", "fp8": False, **kw})
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -268,3 +268,18 @@ def test_decode_runs_in_the_network_precision(wan, monkeypatch):
     assert low.dtype == torch.float32 and next(policy.vae.parameters()).dtype == torch.float32
     difference = (low - exact).abs().max().item()
     assert 0 < difference < 0.05, difference
+
+
+def test_compiled_decoder_decodes_as_the_eager_one(tiny_wan_dir, monkeypatch):
+    """model.compile other than none compiles the VAE decoder (one graph per feature-cache state): same videos.
+    Dynamo's capture of the cache-mutating decoder is what is tested; its graphs run eagerly here (inductor's CPU
+    compilation of them takes 40 s)."""
+    module_compile = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: module_compile(self, backend="eager"))
+    compiled = WanPolicy(_cfg(tiny_wan_dir, compile="blocks"), torch.device("cpu"))
+    eager = WanPolicy(_cfg(tiny_wan_dir), torch.device("cpu"))
+    assert hasattr(compiled.vae.decoder, "_compiled_call_impl") and compiled.vae.decoder._compiled_call_impl is not None
+    assert getattr(eager.vae.decoder, "_compiled_call_impl", None) is None
+    shape = eager.latent_shapes(MediaShape(height=32, width=32, frames=5))["x"]
+    x = {"x": torch.randn(1, *shape, generator=torch.Generator().manual_seed(5))}
+    torch.testing.assert_close(compiled.decode(x)["video"], eager.decode(x)["video"], rtol=0, atol=1e-5)

@@ -29,6 +29,7 @@ from ..distributed.dcp import DCP_DIR, adam_state, load_sharded
 from ..distributed.engine import LocalEngine
 from ..latents import Latents, select_step
 from ..models.base import DiffusionPolicy, stream_sigma_1, stream_sigmas
+from ..perf.compile import repeated_blocks
 from ..perf.profile import region
 from ..sampling.diffusion import SamplingPlan
 from ..sampling.steps import STEPS, StepOut, step_latents
@@ -134,6 +135,37 @@ def _offsets(sizes: list[int]) -> list[int]:
 DEFAULT_CORRECTION = SimpleNamespace(mode="bypass", is_cap=2.0, log_ratio_bounds=None)
 
 
+def checkpointed_blocks(n: int, share: float) -> list[int]:
+    """Indices of the round(share·n) of n blocks whose activations are recomputed, evenly spread (share 1: all)."""
+    k = round(share * n)
+    return [i for i in range(n) if (i + 1) * k // n > i * k // n]
+
+
+def enable_checkpointing(name: str, network: torch.nn.Module, setting: bool | float) -> None:
+    """`actor.gradient_checkpointing`: true recomputes every block's activations in the backward; a share in (0, 1]
+    only that share of the blocks (the others keep theirs: less recompute for what memory allows)."""
+    share = 1.0 if setting is True else float(setting)
+    if not 0 < share <= 1:
+        raise ValueError(f"actor.gradient_checkpointing={setting}: true, false or a share of the blocks in (0, 1]")
+    if not getattr(network, "_supports_gradient_checkpointing", False):
+        raise ValueError(f"actor.gradient_checkpointing={setting}: {name} ({type(network).__name__}) does not support it")
+    if share == 1:  # diffusers: enable_gradient_checkpointing; transformers: gradient_checkpointing_enable
+        (getattr(network, "enable_gradient_checkpointing", None) or network.gradient_checkpointing_enable)()
+        return
+    blocks = repeated_blocks(network)
+    if not blocks or not hasattr(network, "enable_gradient_checkpointing"):
+        raise ValueError(f"actor.gradient_checkpointing={setting}: {name} ({type(network).__name__}) checkpoints all "
+                         "of its blocks or none (true or false)")
+    chosen = {id(blocks[i]) for i in checkpointed_blocks(len(blocks), share)}
+
+    def checkpoint_chosen(block, *args):  # diffusers calls this for every block when checkpointing is on
+        if id(block) in chosen:
+            return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
+        return block(*args)
+
+    network.enable_gradient_checkpointing(checkpoint_chosen)
+
+
 class LocalActor:
     """The trainable networks of a policy, replicated on every rank of `engine` (one process: LocalEngine)."""
 
@@ -154,13 +186,10 @@ class LocalActor:
                 add_lora(network, cfg.lora_rank, cfg.lora_alpha, self.lora_targets)
             else:
                 network.requires_grad_(True)
-        if getattr(cfg, "gradient_checkpointing", False):
+        checkpointing = getattr(cfg, "gradient_checkpointing", False)
+        if checkpointing is not False:
             for name, network in networks.items():
-                if not getattr(network, "_supports_gradient_checkpointing", False):
-                    raise ValueError(f"actor.gradient_checkpointing=true: {name} ({type(network).__name__}) "
-                                     "does not support it")
-                # diffusers: enable_gradient_checkpointing; transformers: gradient_checkpointing_enable
-                (getattr(network, "enable_gradient_checkpointing", None) or network.gradient_checkpointing_enable)()
+                enable_checkpointing(name, network, checkpointing)
         if not self.lora and algo.needs_reference:
             self.reference_models = {k: copy.deepcopy(v).requires_grad_(False).eval() for k, v in networks.items()}
         # Trainable weights are kept in float32 (the optimizer needs full-precision master weights).

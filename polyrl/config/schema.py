@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
@@ -92,7 +92,9 @@ class ActorConfig:
     num_minibatches: int = 2  # optimizer steps per training step
     micro_batch_size: int = 0  # 0: the whole mini-batch in one forward
     ema_decay: float = 0.0  # > 0: keep an EMA copy of the trainable weights (the `old` policy), old ← d·old + (1−d)·θ
-    gradient_checkpointing: bool = False  # recompute each block's activations in the backward (memory for compute)
+    # recompute block activations in the backward (memory for compute): true every block, a share in (0, 1] that
+    # share of the blocks, evenly spread
+    gradient_checkpointing: Union[bool, float] = False  # noqa: UP007 (OmegaConf reads typing.Union, not `|`)
 
 
 @dataclass

@@ -132,6 +132,10 @@ class WanPolicy(DiffusersPolicy):
         if not self.networks:
             raise ValueError(f"{self.root} has neither a 'transformer' nor a 'transformer_2' component")
         self.vae = frozen(self.load("vae", torch.float32), device)  # WanPipeline's own advice: the VAE in float32
+        if getattr(cfg, "compile", "none") != "none":
+            # the causal decoder runs once per latent frame with a feature cache: three graphs (first frame, one cached
+            # frame, two); docs/performance.md (Wan2.2-TI2V-5B) has the measured effect
+            self.vae.decoder.compile()
         # UMT5 overflows in float16 (a T5 trait); bfloat16 has float32's range
         text_dtype = torch.bfloat16 if self.dtype == torch.float16 else self.dtype
         self.text_encoder = frozen(self.load("text_encoder", text_dtype), device)

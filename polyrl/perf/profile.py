@@ -66,7 +66,7 @@ def union_length(intervals: list[tuple[float, float]], lo: float, hi: float) -> 
     return total
 
 
-def summarize_trace(events: list[dict], top: int = 15) -> dict:
+def summarize_trace(events: list[dict], top: int = 25) -> dict:
     """Chrome-trace events (torch.profiler's export: `ts`/`dur` in µs) -> per-region wall, device-busy and launched
     device seconds, kernel time by kind, the largest kernels and host ops. Regions of one name are summed."""
     complete = [e for e in events if e.get("ph") == "X"]
@@ -133,6 +133,10 @@ def summarize_trace(events: list[dict], top: int = 15) -> dict:
         "kinds_s": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         "top_kernels": [{"name": n, "s": t, "count": counts[n]}
                         for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]],
+        # the small kinds' kernels hide below the largest ones: list each kind's own largest
+        "top_kernels_by_kind": {kind: [{"name": n, "s": t, "count": counts[n]}
+                                       for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])
+                                       if kernel_kind(n) == kind][:8] for kind in by_kind},
         "top_host_ops": [{"name": n, "s": t} for n, t in sorted(host.items(), key=lambda kv: -kv[1])[:top]],
         "top_launchers": [{"name": n, "s": t, "count": launcher_counts[n]}
                           for n, t in sorted(by_launcher.items(), key=lambda kv: -kv[1])[:top]],
@@ -156,6 +160,10 @@ def report(summary: dict) -> str:
     lines += [f"| {k} | {t:.3f} | {100 * t / total:.1f}% |" for k, t in summary["kinds_s"].items()]
     lines += ["", "| largest kernels | s | count |", "|---|---|---|"]
     lines += [f"| {k['name'][:120]} | {k['s']:.3f} | {k['count']} |" for k in summary["top_kernels"]]
+    for kind in ("copy", "fused elementwise", "other"):
+        if summary.get("top_kernels_by_kind", {}).get(kind):
+            lines += ["", f"| largest {kind} kernels | s | count |", "|---|---|---|"]
+            lines += [f"| {k['name'][:120]} | {k['s']:.3f} | {k['count']} |" for k in summary["top_kernels_by_kind"][kind]]
     lines += ["", "| launching host op -> device work | s | count |", "|---|---|---|"]
     lines += [f"| {k['name'][:120]} | {k['s']:.3f} | {k['count']} |" for k in summary["top_launchers"]]
     lines += ["", "| largest host ops (inclusive) | s |", "|---|---|"]
