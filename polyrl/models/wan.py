@@ -135,7 +135,7 @@ class WanPolicy(DiffusersPolicy):
         if getattr(cfg, "compile", "none") != "none":
             # the causal decoder runs once per latent frame with a feature cache: three graphs (first frame, one cached
             # frame, two); docs/performance.md (Wan2.2-TI2V-5B) has the measured effect
-            self.vae.decoder.compile()
+            self.vae.decoder.compile(dynamic=False)  # static: automatic dynamic shapes recompiled it a dozen times
         # UMT5 overflows in float16 (a T5 trait); bfloat16 has float32's range
         text_dtype = torch.bfloat16 if self.dtype == torch.float16 else self.dtype
         self.text_encoder = frozen(self.load("text_encoder", text_dtype), device)
