@@ -280,3 +280,32 @@ def test_shared_initial_noise_per_group_and_stored_means(shared):
     std2 = 0.5**2 * sigma / (1 - sigma)
     np.testing.assert_allclose(out.old_means["x"][:, 0].numpy(), (x0 * (1 + std2 * (sigma_next - sigma) / (2 * sigma))).numpy(),
                                rtol=1e-6)
+
+
+class GradModeSpy(ZeroVelocity):
+    """Records, per network call, whether autograd was on; counts FLOPs as the adapters do (×3 under autograd)."""
+
+    def __init__(self):
+        self.weight = torch.ones((), requires_grad=True)
+        self.grad_modes, self.flops = [], 0.0
+
+    def velocity(self, latents, sigma, cond, shared, guidance):
+        self.grad_modes.append(torch.is_grad_enabled())
+        self.flops += 10.0 * (3 if torch.is_grad_enabled() else 1)
+        return {k: v * 0 * self.weight for k, v in latents.items()}
+
+
+@pytest.mark.parametrize("training_graph", [True, False])
+def test_training_graph_runs_only_the_trained_steps_under_autograd(training_graph):
+    """rollout.training_graph: steps in some sample's window call the network with autograd on (the graph training
+    compiles), the others without; nothing sampled keeps a graph, and the FLOPs count one forward per call."""
+    plan = SamplingPlan(num_steps=6, shape=MediaShape(3, 3), guidance=Guidance(1.0), noise_level=0.5, window_size=2,
+                        window_range=(1, 2), training_graph=training_graph)
+    groups = torch.tensor([0, 0, 1, 1])
+    noise = draw_noise({"x": (2, 3, 3)}, plan, groups, torch.Generator().manual_seed(0))
+    noise.starts = torch.tensor([1, 1, 2, 2])  # windows cover steps 1-2 and 2-3
+    model = GradModeSpy()
+    out = rollout(model, ["a"] * 4, [{}] * 4, groups, plan, noise, decode=False)
+    assert model.grad_modes == [False, training_graph, training_graph, training_graph, False, False]
+    assert model.flops == 60.0
+    assert not out.log_probs.requires_grad and not out.latents["x"].requires_grad and not out.final["x"].requires_grad

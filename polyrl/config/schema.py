@@ -65,6 +65,7 @@ class RolloutConfig:
     sde_window_every: int = 1  # progressive: training steps between window slides
     shared_initial_noise: bool = False  # one initial noise per prompt group (DanceGRPO)
     log_density: str = "gaussian"  # gaussian | squared_distance (flow_grpo's cps score; sampling/steps.py)
+    training_graph: bool = False  # sample trained steps through the training forward's graph (sampling/diffusion.py)
     # token policies (model=causal_lm, ...; docs/tokens.md): response length, π = softmax(logits / temperature),
     # nucleus sampling, and strings that end a response (the token completing one is kept)
     max_new_tokens: int = 64

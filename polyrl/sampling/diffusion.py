@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,7 @@ class SamplingPlan:
     window_every: int = 1  # `progressive`: training steps between slides
     shared_noise: bool = False  # one initial noise per prompt group (DanceGRPO)
     log_density: str = "gaussian"  # how a transition is scored: gaussian | squared_distance (steps.py)
+    training_graph: bool = False  # trained steps through the training forward's graph (see `sample_latents`)
 
     @property
     def trained_steps(self) -> int:
@@ -156,7 +158,12 @@ def decode_chunk(adapter: DiffusionPolicy, final: Latents,
 @torch.no_grad()
 def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: RolloutNoise, plan: SamplingPlan):
     """Run the sampler for one chunk; returns (window latents, log-probs, sigmas, noise levels, final latents,
-    window means). Results stay on the device until the end, so the loop never waits for a device-to-host copy."""
+    window means). Results stay on the device until the end, so the loop never waits for a device-to-host copy.
+
+    With `plan.training_graph` a step that any sample of the chunk trains runs its network call with autograd on (the
+    output detached): a compiled network then runs the graph training runs, not its no-grad twin, whose fusions round
+    differently (docs/performance.md, FP8 agreement), so the log-probs equal training's bit for bit when a sampling
+    call and a training micro-batch have the same rows. It costs the training forward's activation memory."""
     sigmas = adapter.sigmas(plan.num_steps, plan.shape)
     sigma_1 = stream_sigma_1(adapter, sigmas)
     starts = noise.starts
@@ -168,11 +175,20 @@ def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: Ro
     grid, starts_on, step_noise = sigmas.to(device), starts.to(device), to_device(noise.steps, device)
     step_fn = STEPS[plan.step]
     states, log_probs, levels, means = [x], [], [], []
+    trained_steps = torch.zeros(plan.num_steps, dtype=torch.bool)  # host-side: no device sync to decide
+    for start in starts.unique().tolist():
+        trained_steps[start:start + w] = True
     for j in range(plan.num_steps):
         level = plan.noise_level * ((j >= starts_on) & (j < starts_on + w)).float()
         sigma, sigma_next = grid[j].expand(b), grid[j + 1].expand(b)
-        with region("velocity/rollout"):
-            v = adapter.velocity(x, sigma, cond, shared, plan.guidance.scale)
+        if plan.training_graph and trained_steps[j]:
+            flops = adapter.flops
+            with region("velocity/rollout"), torch.enable_grad():
+                v = {k: t.detach() for k, t in adapter.velocity(x, sigma, cond, shared, plan.guidance.scale).items()}
+            adapter.flops -= (adapter.flops - flops) * 2 / 3  # counted as a trained forward (×3); no backward follows
+        else:
+            with region("velocity/rollout"):
+                v = adapter.velocity(x, sigma, cond, shared, plan.guidance.scale)
         with region("step_math/rollout"):
             z = {k: s[j] for k, s in step_noise.items()}
             out = step_latents(step_fn, x, v, stream_sigmas(adapter, sigma), stream_sigmas(adapter, sigma_next),

@@ -73,7 +73,7 @@ def plan_from_config(r: DictConfig) -> SamplingPlan:
         guidance=Guidance(r.guidance_scale, r.negative_prompt), noise_level=r.noise_level,
         window_size=r.sde_window_size, window_range=tuple(r.sde_window_range), batch_size=r.batch_size, step=r.step,
         window_strategy=r.sde_window_strategy, window_every=r.sde_window_every, shared_noise=r.shared_initial_noise,
-        log_density=r.log_density,
+        log_density=r.log_density, training_graph=r.training_graph,
     )
 
 
