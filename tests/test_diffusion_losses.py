@@ -286,10 +286,15 @@ class GradModeSpy(ZeroVelocity):
     """Records, per network call, whether autograd was on; counts FLOPs as the adapters do (×3 under autograd)."""
 
     def __init__(self):
+        self.network = torch.nn.Linear(1, 1).eval()
         self.weight = torch.ones((), requires_grad=True)
         self.grad_modes, self.flops = [], 0.0
 
+    def modules(self):
+        return {"transformer": self.network}
+
     def velocity(self, latents, sigma, cond, shared, guidance):
+        assert self.network.training == torch.is_grad_enabled()  # as in training: autograd on, train mode
         self.grad_modes.append(torch.is_grad_enabled())
         self.flops += 10.0 * (3 if torch.is_grad_enabled() else 1)
         return {k: v * 0 * self.weight for k, v in latents.items()}
@@ -297,8 +302,9 @@ class GradModeSpy(ZeroVelocity):
 
 @pytest.mark.parametrize("training_graph", [True, False])
 def test_training_graph_runs_only_the_trained_steps_under_autograd(training_graph):
-    """rollout.training_graph: steps in some sample's window call the network with autograd on (the graph training
-    compiles), the others without; nothing sampled keeps a graph, and the FLOPs count one forward per call."""
+    """rollout.training_graph: steps in some sample's window call the network with autograd on and in train mode (the
+    graph training compiles), the others without; nothing sampled keeps a graph, the network is back in eval mode,
+    and the FLOPs count one forward per call."""
     plan = SamplingPlan(num_steps=6, shape=MediaShape(3, 3), guidance=Guidance(1.0), noise_level=0.5, window_size=2,
                         window_range=(1, 2), training_graph=training_graph)
     groups = torch.tensor([0, 0, 1, 1])
@@ -309,3 +315,4 @@ def test_training_graph_runs_only_the_trained_steps_under_autograd(training_grap
     assert model.grad_modes == [False, training_graph, training_graph, training_graph, False, False]
     assert model.flops == 60.0
     assert not out.log_probs.requires_grad and not out.latents["x"].requires_grad and not out.final["x"].requires_grad
+    assert not model.network.training

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -155,15 +155,32 @@ def decode_chunk(adapter: DiffusionPolicy, final: Latents,
     return host, ready
 
 
+@contextmanager
+def as_in_training(adapter: DiffusionPolicy):
+    """Autograd on and the networks in train mode, as the actor runs its forward: torch.compile specialises on both
+    (a module's `training` flag is a guard), so only then does the rollout run training's compiled graph itself, not
+    a twin compiled (and, on a GPU, autotuned) apart."""
+    networks = [n for n in adapter.modules().values() if not n.training]
+    for network in networks:
+        network.train(True)
+    try:
+        with torch.enable_grad():
+            yield
+    finally:
+        for network in networks:
+            network.train(False)
+
+
 @torch.no_grad()
 def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: RolloutNoise, plan: SamplingPlan):
     """Run the sampler for one chunk; returns (window latents, log-probs, sigmas, noise levels, final latents,
     window means). Results stay on the device until the end, so the loop never waits for a device-to-host copy.
 
-    With `plan.training_graph` a step that any sample of the chunk trains runs its network call with autograd on (the
-    output detached): a compiled network then runs the graph training runs, not its no-grad twin, whose fusions round
-    differently (docs/performance.md, FP8 agreement), so the log-probs equal training's bit for bit when a sampling
-    call and a training micro-batch have the same rows. It costs the training forward's activation memory."""
+    With `plan.training_graph` a step that any sample of the chunk trains runs its network call `as_in_training` (the
+    output detached): a compiled network then runs the graph training runs, not its no-grad eval-mode twin, whose
+    fusions round differently (docs/performance.md, FP8 agreement), so the log-probs equal training's bit for bit
+    when a sampling call and a training micro-batch have the same rows. It costs the training forward's activation
+    memory."""
     sigmas = adapter.sigmas(plan.num_steps, plan.shape)
     sigma_1 = stream_sigma_1(adapter, sigmas)
     starts = noise.starts
@@ -183,7 +200,7 @@ def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: Ro
         sigma, sigma_next = grid[j].expand(b), grid[j + 1].expand(b)
         if plan.training_graph and trained_steps[j]:
             flops = adapter.flops
-            with region("velocity/rollout"), torch.enable_grad():
+            with region("velocity/rollout"), as_in_training(adapter):
                 v = {k: t.detach() for k, t in adapter.velocity(x, sigma, cond, shared, plan.guidance.scale).items()}
             adapter.flops -= (adapter.flops - flops) * 2 / 3  # counted as a trained forward (×3); no backward follows
         else:
