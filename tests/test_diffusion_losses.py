@@ -316,3 +316,20 @@ def test_training_graph_runs_only_the_trained_steps_under_autograd(training_grap
     assert model.flops == 60.0
     assert not out.log_probs.requires_grad and not out.latents["x"].requires_grad and not out.final["x"].requires_grad
     assert not model.network.training
+
+
+def test_training_graph_with_unequal_call_sizes_warns(tmp_path, capsys):
+    """rollout.training_graph needs a sampling call and a training micro-batch of the same size to be exact: the run
+    says so when they differ, and not when they are equal."""
+    from polyrl.config import load_config
+    from polyrl.trainer.loop import Trainer
+
+    def warnings(batch_size: int) -> str:
+        cfg = load_config(["rollout.training_graph=true", f"rollout.batch_size={batch_size}", "actor.micro_batch_size=4",
+                           f"trainer.output_dir={tmp_path / str(batch_size)}", "trainer.progress=false"])
+        Trainer(cfg).close()
+        return capsys.readouterr().err
+
+    assert ("polyrl: warning: rollout.training_graph=true runs training's graph, but rollout.batch_size=8 against 4 "
+            "samples per training micro-batch") in warnings(8)
+    assert "rollout.training_graph" not in warnings(4)

@@ -290,6 +290,12 @@ class Trainer:
 
         self.compile_cache = compile_cache_path(cfg.model.get("compile_cache"), self.run_dir)
         self.compiled = cfg.model.get("compile", "none") != "none"
+        r, a = cfg.rollout, cfg.actor
+        micro = a.micro_batch_size or cfg.data.prompts_per_step * r.n // max(a.num_minibatches, 1)
+        if r.get("training_graph") and r.batch_size != micro:
+            self.say(f"polyrl: warning: rollout.training_graph=true runs training's graph, but rollout.batch_size="
+                     f"{r.batch_size} against {micro} samples per training micro-batch (actor.micro_batch_size) gives "
+                     "its calls other shapes, whose kernels may round differently: set them equal for equal log-probs")
         if self.compiled:
             try:  # before anything compiled runs (the SD3 VAE decoder too)
                 loaded = load_compile_cache(self.compile_cache)
