@@ -89,6 +89,13 @@ def test_cuda_without_a_gpu(tmp_path, capsys):
     assert "use trainer.device=cpu" in errors[0]
 
 
+def test_a_checkpointing_share_outside_zero_one_is_a_config_error(tmp_path, capsys):
+    assert main(["train", "actor.gradient_checkpointing=1.5", f"trainer.output_dir={tmp_path / 'run'}"]) == 2
+    errors = _errors(capsys)
+    assert errors == ["polyrl: config error: actor.gradient_checkpointing=1.5 must be true, false or a share of the blocks "
+                      "in (0, 1]"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

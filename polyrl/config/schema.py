@@ -268,6 +268,10 @@ def validate(raw: DictConfig) -> DictConfig:
             raise ConfigError(f"model.{key}={cfg.model[key]} must be >= 32 (condition sides are multiples of 32 px)")
     if cfg.model.fp8 and cfg.actor.lora_rank == 0:
         raise ConfigError("model.fp8=true quantizes the frozen base weights, so it needs LoRA (actor.lora_rank > 0)")
+    checkpointing = cfg.actor.gradient_checkpointing
+    if not isinstance(checkpointing, bool) and not 0 < checkpointing <= 1:
+        raise ConfigError(f"actor.gradient_checkpointing={checkpointing} must be true, false or a share of the blocks "
+                          "in (0, 1]")
     _check_choice("trainer.device", cfg.trainer.device, DEVICES)
     for logger in cfg.trainer.loggers:
         _check_choice("trainer.loggers", logger, ("tensorboard", "wandb", "mlflow"))
