@@ -5,6 +5,7 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from polyrl.actor.local import checkpointed_blocks, enable_checkpointing
+from polyrl.errors import UserError
 
 
 def test_checkpointed_blocks_are_the_share_evenly_spread():
@@ -35,5 +36,17 @@ def test_only_the_share_of_blocks_is_recomputed_in_the_backward(setting, recompu
 
 
 def test_a_share_outside_zero_one_is_refused():
-    with pytest.raises(ValueError, match=r"actor.gradient_checkpointing=1.5: true, false or a share"):
+    with pytest.raises(UserError, match=r"actor.gradient_checkpointing=1.5: true, false or a share"):
         enable_checkpointing("transformer", tiny_wan(2), 1.5)
+
+
+def test_a_share_of_a_network_without_repeated_blocks_is_refused():
+    class Flat(torch.nn.Module):  # checkpointable, but nothing to choose a share of
+        _supports_gradient_checkpointing = True
+
+        def enable_gradient_checkpointing(self, func=None):
+            raise AssertionError("not reached")
+
+    with pytest.raises(UserError, match=r"actor.gradient_checkpointing=0.5: transformer \(Flat\) checkpoints all "
+                                        r"of its blocks or none \(true or false\)"):
+        enable_checkpointing("transformer", Flat(), 0.5)

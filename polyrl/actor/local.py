@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from ..batch import Rollout
 from ..distributed.dcp import DCP_DIR, adam_state, load_sharded
 from ..distributed.engine import LocalEngine
+from ..errors import UserError
 from ..latents import Latents, select_step
 from ..models.base import DiffusionPolicy, stream_sigma_1, stream_sigmas
 from ..perf.compile import repeated_blocks
@@ -146,15 +147,15 @@ def enable_checkpointing(name: str, network: torch.nn.Module, setting: bool | fl
     only that share of the blocks (the others keep theirs: less recompute for what memory allows)."""
     share = 1.0 if setting is True else float(setting)
     if not 0 < share <= 1:
-        raise ValueError(f"actor.gradient_checkpointing={setting}: true, false or a share of the blocks in (0, 1]")
+        raise UserError(f"actor.gradient_checkpointing={setting}: true, false or a share of the blocks in (0, 1]")
     if not getattr(network, "_supports_gradient_checkpointing", False):
-        raise ValueError(f"actor.gradient_checkpointing={setting}: {name} ({type(network).__name__}) does not support it")
+        raise UserError(f"actor.gradient_checkpointing={setting}: {name} ({type(network).__name__}) does not support it")
     if share == 1:  # diffusers: enable_gradient_checkpointing; transformers: gradient_checkpointing_enable
         (getattr(network, "enable_gradient_checkpointing", None) or network.gradient_checkpointing_enable)()
         return
     blocks = repeated_blocks(network)
     if not blocks or not hasattr(network, "enable_gradient_checkpointing"):
-        raise ValueError(f"actor.gradient_checkpointing={setting}: {name} ({type(network).__name__}) checkpoints all "
+        raise UserError(f"actor.gradient_checkpointing={setting}: {name} ({type(network).__name__}) checkpoints all "
                          "of its blocks or none (true or false)")
     chosen = {id(blocks[i]) for i in checkpointed_blocks(len(blocks), share)}
 
