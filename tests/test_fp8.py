@@ -82,3 +82,47 @@ def test_fp8_needs_lora():
 
     with pytest.raises(ConfigError, match=r"model.fp8=true quantizes the frozen base weights, so it needs LoRA"):
         load_config(["model.fp8=true", "actor.lora_rank=0"])
+
+
+@pytest.mark.parametrize("capability, lora, sharded, expected", [
+    ((9, 0), True, False, True),    # Hopper, a LoRA run on the local actor: on
+    ((8, 9), True, False, True),    # Ada has float8 tensor cores too
+    ((8, 0), True, False, False),   # Ampere has none
+    ((9, 0), False, False, False),  # a full fine-tune trains the base: nothing frozen to quantize
+    ((9, 0), True, True, False),    # a sharded actor: FP8 base layers are not sharded here
+])
+def test_fp8_auto_turns_on_only_where_it_runs_and_pays(monkeypatch, capability, lora, sharded, expected):
+    from polyrl.perf.fp8 import resolve_fp8
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert resolve_fp8("auto", torch.device("cuda", 0), lora=lora, sharded=sharded) is expected
+    assert resolve_fp8("auto", torch.device("cpu"), lora=lora, sharded=sharded) is False
+    for setting in (True, False):  # an explicit choice stands
+        assert resolve_fp8(setting, torch.device("cuda", 0), lora=lora, sharded=sharded) is setting
+
+
+@pytest.mark.parametrize("key", ["model.fp8", "rollout.training_graph"])
+def test_auto_switches_refuse_other_values(key):
+    from polyrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=rf"{key}='sometimes' is not valid; allowed: True, False, auto"):
+        load_config([f"{key}=sometimes"])
+
+
+def test_auto_switches_are_decided_by_the_run_and_recorded(tmp_path, capsys):
+    """On this CPU `model.fp8=auto` is off; `rollout.training_graph=auto` follows model.compile. The run's config.yaml
+    records what was decided, and the unequal-sizes warning is for an explicit `true` only."""
+    from omegaconf import OmegaConf
+
+    from polyrl.config import load_config
+    from polyrl.trainer.loop import Trainer
+
+    for compile_mode, graph in (("none", False), ("blocks", True)):
+        out = tmp_path / compile_mode
+        cfg = load_config([f"model.compile={compile_mode}", "rollout.batch_size=8", "actor.micro_batch_size=4",
+                           f"trainer.output_dir={out}", "trainer.progress=false", "model.compile_cache=null"])
+        assert cfg.model.fp8 == "auto" and cfg.rollout.training_graph == "auto"
+        Trainer(cfg).close()
+        saved = OmegaConf.load(out / "config.yaml")
+        assert (saved.model.fp8, saved.rollout.training_graph) == (False, graph)
+        assert "rollout.training_graph" not in capsys.readouterr().err

@@ -347,7 +347,8 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
                       f"compile={cfg.model.compile}, decoding CUDA graphs="
                       f"{dict(cfg.model.options).get('cuda_graphs', True) and device.type == 'cuda'}" if prompt_tokens else
                       f"transformer {cfg.model.dtype} (autocast), trainable master weights float32, step math float32, "
-                      f"VAE weights float32 (decode autocast to the network dtype), compile={cfg.model.compile}"),
+                      f"VAE weights float32 (decode autocast to the network dtype), compile={cfg.model.compile}, "
+                      f"fp8={cfg.model.fp8}, training_graph={cfg.rollout.training_graph}"),
         "peak_tflops": cfg.trainer.peak_tflops,
         "summary": {**summarize(measured, warmup, images, cfg.rollout.num_frames, prompt_tokens),
                     **first_epoch(measured, setup_s)},

@@ -29,7 +29,9 @@ class ModelConfig:
     # torch.compile's caches saved after the first step and at each checkpoint, loaded at start (perf/compile.py):
     # auto = <run dir>/compile_cache.bin (a resumed run starts warm), a path (shared across runs), null = off
     compile_cache: str | None = "auto"
-    fp8: bool = False  # frozen base linears as float8 matmuls (LoRA only; perf/fp8.py)
+    # frozen base linears as float8 matmuls (LoRA only; perf/fp8.py). auto: on where it runs and pays — a LoRA run
+    # on the local actor on a CUDA GPU with float8 tensor cores (compute capability >= 8.9); off elsewhere
+    fp8: Union[bool, str] = "auto"  # noqa: UP007
     shift: float | None = None  # flow shift of the sigma grid where a model takes one (Wan); None: the checkpoint's
     # condition-image models (Qwen-Image-Edit): the condition is resized to about condition_size² pixels (the side of
     # that area), aspect kept; vl_condition_size the same for the VL encoder's copy. None: the model's published value
@@ -65,7 +67,9 @@ class RolloutConfig:
     sde_window_every: int = 1  # progressive: training steps between window slides
     shared_initial_noise: bool = False  # one initial noise per prompt group (DanceGRPO)
     log_density: str = "gaussian"  # gaussian | squared_distance (flow_grpo's cps score; sampling/steps.py)
-    training_graph: bool = False  # sample trained steps through the training forward's graph (sampling/diffusion.py)
+    # sample trained steps through the training forward's graph (sampling/diffusion.py); auto: when model.compile
+    # is not none (eager kernels give equal log-probs either way)
+    training_graph: Union[bool, str] = "auto"  # noqa: UP007
     # token policies (model=causal_lm, ...; docs/tokens.md): response length, π = softmax(logits / temperature),
     # nucleus sampling, and strings that end a response (the token completing one is kept)
     max_new_tokens: int = 64
@@ -181,6 +185,9 @@ def _allowed(node) -> str:
     return ", ".join(sorted(node.keys()))
 
 
+AUTO_SWITCH = (True, False, "auto")  # the values of a switch whose default the run decides (trainer/loop.py)
+
+
 def _check_choice(key: str, value, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not valid; allowed: {', '.join(map(str, allowed))}")
@@ -266,7 +273,9 @@ def validate(raw: DictConfig) -> DictConfig:
     for key in ("condition_size", "vl_condition_size"):
         if cfg.model[key] is not None and cfg.model[key] < 32:
             raise ConfigError(f"model.{key}={cfg.model[key]} must be >= 32 (condition sides are multiples of 32 px)")
-    if cfg.model.fp8 and cfg.actor.lora_rank == 0:
+    _check_choice("model.fp8", cfg.model.fp8, AUTO_SWITCH)
+    _check_choice("rollout.training_graph", cfg.rollout.training_graph, AUTO_SWITCH)
+    if cfg.model.fp8 is True and cfg.actor.lora_rank == 0:
         raise ConfigError("model.fp8=true quantizes the frozen base weights, so it needs LoRA (actor.lora_rank > 0)")
     checkpointing = cfg.actor.gradient_checkpointing
     if not isinstance(checkpointing, bool) and not 0 < checkpointing <= 1:

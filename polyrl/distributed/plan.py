@@ -61,7 +61,7 @@ def check_parallel_config(cfg, model_cls, world_size: int | None = None) -> Para
     if backend in SHARDED_BACKENDS and kind != "diffusion":
         raise ValueError(f"actor.backend={backend} trains diffusion policies; model.name={cfg.model.name} is a {kind} "
                          "policy: use actor.backend=local (data parallel under torchrun)")
-    if backend in SHARDED_BACKENDS and cfg.model.get("fp8"):
+    if backend in SHARDED_BACKENDS and cfg.model.get("fp8") is True:
         raise ValueError(f"model.fp8=true with actor.backend={backend}: float8 base layers are not sharded here; use "
                          "actor.backend=local")
     if backend == "veomni":

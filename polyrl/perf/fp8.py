@@ -76,6 +76,19 @@ class FP8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8=e4m3/e5m2 rowwise"
 
 
+def fp8_supported(device: torch.device) -> bool:
+    """Whether `device` has float8 tensor cores (`torch._scaled_mm` at speed): CUDA compute capability >= 8.9."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def resolve_fp8(setting: bool | str, device: torch.device, lora: bool, sharded: bool) -> bool:
+    """`model.fp8`: true / false as given; `auto` turns it on where it runs and pays — a LoRA run (the base is frozen),
+    on an actor that keeps whole layers (not sharded), on a device with float8 tensor cores."""
+    if setting != "auto":
+        return bool(setting)
+    return lora and not sharded and fp8_supported(device)
+
+
 def apply_fp8(module: torch.nn.Module, min_features: int = 256) -> int:
     """Swap every frozen `nn.Linear` (sizes multiples of 16, both ≥ `min_features`) for an `FP8Linear`.
 

@@ -36,13 +36,14 @@ from ..config.schema import ConfigError
 from ..data.pairs import load_pairs, pair_batch
 from ..data.prompts import MissingConditionImage, PromptSampler, load_prompts, row_location, split_row
 from ..data.text_pairs import load_text_pairs
+from ..distributed.dims import SHARDED_BACKENDS
 from ..distributed.engine import LocalEngine, build_engine
 from ..errors import UserError
 from ..latents import MediaShape
 from ..models import MODELS, build_model
 from ..models.base import Guidance, policy_kind
 from ..perf.compile import compile_cache_path, compile_transformer, load_compile_cache, save_compile_cache
-from ..perf.fp8 import apply_fp8
+from ..perf.fp8 import apply_fp8, resolve_fp8
 from ..perf.timer import StageTimer
 from ..rewards import build_reward
 from ..rewards.stage import RewardStage, RewardUnavailable, merge_extras, score_batch
@@ -266,6 +267,14 @@ class Trainer:
         self.algo = build_algorithm(OmegaConf.to_container(cfg.algorithm))
         # Offline pairs (data.pairs_path) replace the prompts: each step trains on a batch of pairs, no rollout.
         self.kind = policy_kind(MODELS.get(cfg.model.name))  # "diffusion" | "tokens": which stages run
+        # switches whose `auto` default depends on this run (config/schema.py AUTO_SWITCH), decided once, here; the
+        # run's config.yaml records the outcome. FP8's auto is measured on diffusion transformers only.
+        graph_asked = cfg.rollout.training_graph is True
+        cfg.model.fp8 = (resolve_fp8(cfg.model.fp8, self.device, lora=cfg.actor.lora_rank > 0,
+                                     sharded=cfg.actor.backend in SHARDED_BACKENDS)
+                         if self.kind == "diffusion" else cfg.model.fp8 is True)
+        if cfg.rollout.training_graph == "auto":
+            cfg.rollout.training_graph = cfg.model.get("compile", "none") != "none"
         try:
             loader = load_text_pairs if self.kind == "tokens" else load_pairs
             self.pairs = loader(cfg.data.pairs_path) if cfg.data.pairs_path else None
@@ -292,7 +301,7 @@ class Trainer:
         self.compiled = cfg.model.get("compile", "none") != "none"
         r, a = cfg.rollout, cfg.actor
         micro = a.micro_batch_size or cfg.data.prompts_per_step * r.n // max(a.num_minibatches, 1)
-        if r.get("training_graph") and r.batch_size != micro:
+        if graph_asked and r.batch_size != micro:
             self.say(f"polyrl: warning: rollout.training_graph=true runs training's graph, but rollout.batch_size="
                      f"{r.batch_size} against {micro} samples per training micro-batch (actor.micro_batch_size) gives "
                      "its calls other shapes, whose kernels may round differently: set them equal for equal log-probs")
