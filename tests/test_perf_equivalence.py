@@ -84,3 +84,49 @@ def test_compiled_vae_decoder_matches_eager(tiny_sd3_dir):
     a, b = eager.decode({"x": z})["images"], compiled.decode({"x": z})["images"]
     assert a.shape == (2, 3, 32, 32)
     assert (a - b).abs().max() < 1e-5
+
+
+def test_training_graph_makes_the_compiled_rollout_equal_training():
+    """rollout.training_graph's reason and its effect on a compiled LoRA SD3 transformer (bf16 autocast, per-block
+    compile): the rollout's usual call (eval mode, no autograd) runs a twin graph whose fusions round differently from
+    training's (train mode, autograd on); the call made `as_in_training` runs training's graph and equals it bit for
+    bit, and leaves the network in eval mode and autograd off."""
+    from types import SimpleNamespace
+
+    from diffusers import SD3Transformer2DModel
+
+    from polyrl.actor.local import add_lora
+    from polyrl.models.sd3 import SD3_LORA_TARGETS, use_joint_attention
+    from polyrl.sampling.diffusion import as_in_training
+
+    torch.manual_seed(0)
+    net = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
+                                num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
+                                pooled_projection_dim=16, out_channels=4, dual_attention_layers=())
+    use_joint_attention(net)
+    add_lora(net, 4, 8.0, SD3_LORA_TARGETS)
+    for name, p in net.named_parameters():
+        p.data = p.data.float() if p.requires_grad else p.data.bfloat16()  # bf16 frozen base, float32 LoRA masters
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    compile_transformer(net, "blocks")
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(4, 4, 8, 8, generator=g).bfloat16(),
+                  timestep=torch.rand(4, generator=g) * 1000,
+                  encoder_hidden_states=torch.randn(4, 6, 32, generator=g).bfloat16(),
+                  pooled_projections=torch.randn(4, 16, generator=g).bfloat16())
+
+    def velocity():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return net(**inputs, return_dict=False)[0]
+
+    net.train()
+    training = velocity().detach()  # the actor's forward: train mode, autograd on
+    net.eval()
+    with torch.no_grad():
+        twin = velocity()
+        with as_in_training(SimpleNamespace(modules=lambda: {"transformer": net})):
+            sampled = velocity()
+        assert not net.training and not torch.is_grad_enabled()  # the rollout's state, restored
+    assert not torch.equal(twin, training), "the no-grad twin graph now rounds as training's: the setting is moot"
+    assert torch.equal(sampled.detach(), training)
