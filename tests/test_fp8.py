@@ -110,19 +110,20 @@ def test_auto_switches_refuse_other_values(key):
 
 
 def test_auto_switches_are_decided_by_the_run_and_recorded(tmp_path, capsys):
-    """On this CPU `model.fp8=auto` is off; `rollout.training_graph=auto` follows model.compile. The run's config.yaml
-    records what was decided, and the unequal-sizes warning is for an explicit `true` only."""
+    """On this CPU `model.fp8=auto` is off; `rollout.training_graph=auto` is on for a compiled model whose sampling
+    calls have the training micro-batch's size (exact, and no activations beyond training's), off otherwise. The run's
+    config.yaml records what was decided, and the unequal-sizes warning is for an explicit `true` only."""
     from omegaconf import OmegaConf
 
     from polyrl.config import load_config
     from polyrl.trainer.loop import Trainer
 
-    for compile_mode, graph in (("none", False), ("blocks", True)):
-        out = tmp_path / compile_mode
-        cfg = load_config([f"model.compile={compile_mode}", "rollout.batch_size=8", "actor.micro_batch_size=4",
+    for compile_mode, call, graph in (("none", 4, False), ("blocks", 8, False), ("blocks", 4, True)):
+        out = tmp_path / f"{compile_mode}{call}"
+        cfg = load_config([f"model.compile={compile_mode}", f"rollout.batch_size={call}", "actor.micro_batch_size=4",
                            f"trainer.output_dir={out}", "trainer.progress=false", "model.compile_cache=null"])
         assert cfg.model.fp8 == "auto" and cfg.rollout.training_graph == "auto"
         Trainer(cfg).close()
         saved = OmegaConf.load(out / "config.yaml")
-        assert (saved.model.fp8, saved.rollout.training_graph) == (False, graph)
+        assert (saved.model.fp8, saved.rollout.training_graph) == (False, graph), (compile_mode, call)
         assert "rollout.training_graph" not in capsys.readouterr().err

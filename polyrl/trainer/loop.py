@@ -273,8 +273,6 @@ class Trainer:
         cfg.model.fp8 = (resolve_fp8(cfg.model.fp8, self.device, lora=cfg.actor.lora_rank > 0,
                                      sharded=cfg.actor.backend in SHARDED_BACKENDS)
                          if self.kind == "diffusion" else cfg.model.fp8 is True)
-        if cfg.rollout.training_graph == "auto":
-            cfg.rollout.training_graph = cfg.model.get("compile", "none") != "none"
         try:
             loader = load_text_pairs if self.kind == "tokens" else load_pairs
             self.pairs = loader(cfg.data.pairs_path) if cfg.data.pairs_path else None
@@ -295,16 +293,20 @@ class Trainer:
         for path, rows in ((cfg.data.path, prompts), (cfg.data.heldout_path, self.heldout)):
             self._check_rows(path, rows)
         self.sampler = PromptSampler(self.pairs or prompts, t.seed, cfg.data.shuffle)
-        self.plan = token_plan_from_config(cfg.rollout) if self.kind == "tokens" else plan_from_config(cfg.rollout)
-
         self.compile_cache = compile_cache_path(cfg.model.get("compile_cache"), self.run_dir)
         self.compiled = cfg.model.get("compile", "none") != "none"
         r, a = cfg.rollout, cfg.actor
-        micro = a.micro_batch_size or cfg.data.prompts_per_step * r.n // max(a.num_minibatches, 1)
+        micro = a.micro_batch_size or cfg.data.prompts_per_step * r.n // max(a.num_minibatches, 1) // self.engine.dp_size
+        if r.training_graph == "auto":
+            # only where it is exact and costs no memory training does not already need: a sampling call of the
+            # micro-batch's size (a bigger call would hold a bigger forward's activations)
+            r.training_graph = self.compiled and r.batch_size == micro
         if graph_asked and r.batch_size != micro:
             self.say(f"polyrl: warning: rollout.training_graph=true runs training's graph, but rollout.batch_size="
                      f"{r.batch_size} against {micro} samples per training micro-batch (actor.micro_batch_size) gives "
-                     "its calls other shapes, whose kernels may round differently: set them equal for equal log-probs")
+                     "its calls other shapes, whose kernels may round differently and a bigger call holds more "
+                     "activations: set them equal for equal log-probs")
+        self.plan = token_plan_from_config(cfg.rollout) if self.kind == "tokens" else plan_from_config(cfg.rollout)
         if self.compiled:
             try:  # before anything compiled runs (the SD3 VAE decoder too)
                 loaded = load_compile_cache(self.compile_cache)
