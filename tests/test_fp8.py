@@ -84,21 +84,23 @@ def test_fp8_needs_lora():
         load_config(["model.fp8=true", "actor.lora_rank=0"])
 
 
-@pytest.mark.parametrize("capability, lora, sharded, expected", [
-    ((9, 0), True, False, True),    # Hopper, a LoRA run on the local actor: on
-    ((8, 9), True, False, True),    # Ada has float8 tensor cores too
-    ((8, 0), True, False, False),   # Ampere has none
-    ((9, 0), False, False, False),  # a full fine-tune trains the base: nothing frozen to quantize
-    ((9, 0), True, True, False),    # a sharded actor: FP8 base layers are not sharded here
+@pytest.mark.parametrize("capability, lora, sharded, dtype, expected", [
+    ((9, 0), True, False, "bfloat16", True),    # Hopper, a bf16 LoRA run on the local actor: on
+    ((8, 9), True, False, "float16", True),     # Ada has float8 tensor cores too
+    ((8, 0), True, False, "bfloat16", False),   # Ampere has none
+    ((9, 0), False, False, "bfloat16", False),  # a full fine-tune trains the base: nothing frozen to quantize
+    ((9, 0), True, True, "bfloat16", False),    # a sharded actor: FP8 base layers are not sharded here
+    ((9, 0), True, False, "float32", False),    # a float32 network: the run asked for precision
 ])
-def test_fp8_auto_turns_on_only_where_it_runs_and_pays(monkeypatch, capability, lora, sharded, expected):
+def test_fp8_auto_turns_on_only_where_it_runs_and_pays(monkeypatch, capability, lora, sharded, dtype, expected):
     from polyrl.perf.fp8 import resolve_fp8
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert resolve_fp8("auto", torch.device("cuda", 0), lora=lora, sharded=sharded) is expected
-    assert resolve_fp8("auto", torch.device("cpu"), lora=lora, sharded=sharded) is False
+    run = dict(lora=lora, sharded=sharded, dtype=dtype)
+    assert resolve_fp8("auto", torch.device("cuda", 0), **run) is expected
+    assert resolve_fp8("auto", torch.device("cpu"), **run) is False
     for setting in (True, False):  # an explicit choice stands
-        assert resolve_fp8(setting, torch.device("cuda", 0), lora=lora, sharded=sharded) is setting
+        assert resolve_fp8(setting, torch.device("cuda", 0), **run) is setting
 
 
 @pytest.mark.parametrize("key", ["model.fp8", "rollout.training_graph"])

@@ -29,8 +29,8 @@ class ModelConfig:
     # torch.compile's caches saved after the first step and at each checkpoint, loaded at start (perf/compile.py):
     # auto = <run dir>/compile_cache.bin (a resumed run starts warm), a path (shared across runs), null = off
     compile_cache: str | None = "auto"
-    # frozen base linears as float8 matmuls (LoRA only; perf/fp8.py). auto: on where it runs and pays — a LoRA run
-    # on the local actor on a CUDA GPU with float8 tensor cores (compute capability >= 8.9); off elsewhere
+    # frozen base linears as float8 matmuls (LoRA only; perf/fp8.py). auto: on where it runs and pays — a bf16/fp16
+    # LoRA run on the local actor on a CUDA GPU with float8 tensor cores (compute capability >= 8.9); off elsewhere
     fp8: Union[bool, str] = "auto"  # noqa: UP007
     shift: float | None = None  # flow shift of the sigma grid where a model takes one (Wan); None: the checkpoint's
     # condition-image models (Qwen-Image-Edit): the condition is resized to about condition_size² pixels (the side of

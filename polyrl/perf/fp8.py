@@ -81,12 +81,13 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def resolve_fp8(setting: bool | str, device: torch.device, lora: bool, sharded: bool) -> bool:
-    """`model.fp8`: true / false as given; `auto` turns it on where it runs and pays — a LoRA run (the base is frozen),
-    on an actor that keeps whole layers (not sharded), on a device with float8 tensor cores."""
+def resolve_fp8(setting: bool | str, device: torch.device, lora: bool, sharded: bool, dtype: str) -> bool:
+    """`model.fp8`: true / false as given; `auto` turns it on where it runs and pays — a LoRA run (the base is frozen)
+    of a network already in 16-bit (`model.dtype` bfloat16 / float16: a float32 run asks for precision), on an actor
+    that keeps whole layers (not sharded), on a device with float8 tensor cores."""
     if setting != "auto":
         return bool(setting)
-    return lora and not sharded and fp8_supported(device)
+    return lora and dtype in ("bfloat16", "float16") and not sharded and fp8_supported(device)
 
 
 def apply_fp8(module: torch.nn.Module, min_features: int = 256) -> int:

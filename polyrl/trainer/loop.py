@@ -271,7 +271,7 @@ class Trainer:
         # run's config.yaml records the outcome. FP8's auto is measured on diffusion transformers only.
         graph_asked = cfg.rollout.training_graph is True
         cfg.model.fp8 = (resolve_fp8(cfg.model.fp8, self.device, lora=cfg.actor.lora_rank > 0,
-                                     sharded=cfg.actor.backend in SHARDED_BACKENDS)
+                                     sharded=cfg.actor.backend in SHARDED_BACKENDS, dtype=cfg.model.dtype)
                          if self.kind == "diffusion" else cfg.model.fp8 is True)
         try:
             loader = load_text_pairs if self.kind == "tokens" else load_pairs
