@@ -8,6 +8,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 from diffusers import SD3Transformer2DModel, WanTransformer3DModel
 
 from polyrl.cli.main import main
@@ -53,6 +54,24 @@ def test_bench_tiny_reports_every_stage_and_the_analytic_flops(tmp_path):
     assert s["first_epoch_s"] == first["time/step"] and s["setup_s"] > 0
     assert s["time_to_first_step_s"] == pytest.approx(s["setup_s"] + s["first_epoch_s"])
     assert "first epoch s" in (out / "bench.md").read_text()
+    assert s["compile_s"] == 0.0 and "compiling s" not in (out / "bench.md").read_text()  # nothing compiled
+
+
+def test_compile_seconds_count_the_forward_and_the_lazy_backward_compiles():
+    """`compile_s` in bench.json: the forward graph compiles at the first call, the backward at the first backward
+    (AOTAutograd compiles it lazily); both are counted, and a second call compiles nothing."""
+    from polyrl.perf.compile import compile_seconds
+
+    fn = torch.compile(lambda x: (x.sin() * x).cos().sum())
+    x = torch.randn(8, requires_grad=True)
+    start = compile_seconds()
+    loss = fn(x)
+    after_forward = compile_seconds()
+    loss.backward()
+    after_backward = compile_seconds()
+    fn(x).backward()
+    assert after_forward > start and after_backward > after_forward
+    assert compile_seconds() == after_backward
 
 
 

@@ -209,6 +209,8 @@ def table(result: dict) -> str:
     rows.append(("s/epoch", f"{s['seconds_per_epoch']:.2f}"))
     if "first_epoch_s" in s:
         rows.append(("first epoch s (warm-up)", f"{s['first_epoch_s']:.2f} (+{s['setup_s']:.2f} setup)"))
+    if s.get("compile_s"):
+        rows.append(("  compiling s (whole run)", f"{s['compile_s']:.2f}"))
     rows += [(f"  {k} s", f"{v:.2f}") for k, v in s["stages_s"].items()]
     rows += [("model TFLOP/epoch", f"{s['model_tflop_per_epoch']:.4g}"),
              ("achieved TFLOP/s", f"{s['achieved_tflop_per_s']:.4g}")]
@@ -273,6 +275,7 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
               workload: str = "sd35m", profile: bool = False) -> dict:
     from ..config import load_config
     from ..distributed.engine import pick_device
+    from ..perf.compile import compile_seconds
     from ..trainer.loop import Trainer
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -316,6 +319,7 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t_setup = time.perf_counter()
+    compiling_before = compile_seconds()
     trainer = Trainer(cfg)
     setup_s = time.perf_counter() - t_setup
     if profile:  # one more epoch after the measured ones, under the profiler (its overhead stays out of the figures)
@@ -351,7 +355,7 @@ def run_bench(out: Path, tiny: bool, epochs: int, warmup: int, overrides: list[s
                       f"fp8={cfg.model.fp8}, training_graph={cfg.rollout.training_graph}"),
         "peak_tflops": cfg.trainer.peak_tflops,
         "summary": {**summarize(measured, warmup, images, cfg.rollout.num_frames, prompt_tokens),
-                    **first_epoch(measured, setup_s)},
+                    **first_epoch(measured, setup_s), "compile_s": compile_seconds() - compiling_before},
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "world_size": world,
         "history": history,

@@ -13,6 +13,16 @@ from pathlib import Path
 import torch
 
 CACHE_FILE = "compile_cache.bin"
+# torch's own compile timers (seconds, summed over this process): dynamo's frame compiles, which include inductor's
+# forward graphs, and AOTAutograd's lazy backward compiles, which run at a graph's first backward
+COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling (COMPILE_TIMERS) so far; kernel autotuning at a kernel's first run
+    is not in them. 0.0 where torch keeps no such timers."""
+    metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
+    return float(sum(sum(metrics.get(name, ())) for name in COMPILE_TIMERS))
 
 
 def repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
