@@ -129,3 +129,26 @@ def test_auto_switches_are_decided_by_the_run_and_recorded(tmp_path, capsys):
         saved = OmegaConf.load(out / "config.yaml")
         assert (saved.model.fp8, saved.rollout.training_graph) == (False, graph), (compile_mode, call)
         assert "rollout.training_graph" not in capsys.readouterr().err
+
+
+def test_compiled_fp8_graphs_enter_the_compile_cache():
+    """The FP8 matmul is a registered op, not a torch.autograd.Function, which AOTAutograd's cache refuses: an FP8
+    graph compiled forward and backward is saved to (or found in) the cache, so a compile cache holds FP8 runs too
+    (docs/performance.md). Values and input gradient equal the eager layer's."""
+    from torch._dynamo.utils import counters
+
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(256, 256).requires_grad_(False)
+    layer = FP8Linear(lin)
+    x = torch.randn(32, 256, generator=g).bfloat16()
+    eager_x = x.clone().requires_grad_(True)
+    eager = layer(eager_x)
+    eager.float().square().sum().backward()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled_x = x.clone().requires_grad_(True)
+    compiled = torch.compile(layer)(compiled_x)
+    compiled.float().square().sum().backward()
+    aot = counters["aot_autograd"]
+    assert aot["autograd_cache_bypass"] == 0 and aot["autograd_cache_saved"] + aot["autograd_cache_hit"] == 1, dict(aot)
+    assert _rel(compiled, eager) < 1e-2 and _rel(compiled_x.grad, eager_x.grad) < 1e-2

@@ -1,4 +1,4 @@
-"""FP8 matmuls for the frozen base weights of a LoRA-trained transformer (`model.fp8=true`).
+"""FP8 matmuls for the frozen base weights of a LoRA-trained transformer (`model.fp8`: true, or auto on GPUs with them).
 
 Every frozen `nn.Linear` whose sizes the FP8 kernels accept becomes an `FP8Linear`: its weight is stored twice in
 float8 e4m3 with one float32 scale per row — W (out × in) scaled per output row for the forward `y = x·Wᵀ`, and Wᵀ
@@ -29,20 +29,41 @@ def _scaled_mm(a_q, a_scale, b_q_colmajor, b_scale_row, out_dtype):
     return torch._scaled_mm(a_q, b_q_colmajor, scale_a=a_scale, scale_b=b_scale_row, out_dtype=out_dtype)
 
 
-class _FP8Matmul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w_q, w_scale, wt_q, wt_scale):
-        ctx.save_for_backward(wt_q, wt_scale)
-        ctx.out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-        x_q, x_scale = quantize_rows(x)
-        return _scaled_mm(x_q, x_scale, w_q.t(), w_scale.t(), ctx.out_dtype)
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        wt_q, wt_scale = ctx.saved_tensors
-        g_q, g_scale = quantize_rows(grad_out.contiguous(), E5M2)
-        grad_x = _scaled_mm(g_q, g_scale, wt_q.t(), wt_scale.t(), ctx.out_dtype)
-        return grad_x, None, None, None, None
+
+# The matmul is a registered op (not a torch.autograd.Function): torch.compile's AOTAutograd cache refuses graphs
+# holding an autograd.Function, so every FP8 graph recompiled from scratch in each process, compile cache or not.
+# `x` is an input only to route its gradient; the forward reads its quantised copy (x_q, x_scale), which stays in
+# the traced graph so that inductor fuses the quantisation with the ops before it.
+@torch.library.custom_op("polyrl::fp8_matmul", mutates_args=())
+def fp8_matmul(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+               wt_q: torch.Tensor, wt_scale: torch.Tensor) -> torch.Tensor:
+    """y = (x_q·x_scale) (w_q·w_scale)ᵀ in float8 with float32 accumulation; dy/dx as `_fp8_matmul_backward`."""
+    return _scaled_mm(x_q, x_scale, w_q.t(), w_scale.t(), _out_dtype(x))
+
+
+@fp8_matmul.register_fake
+def _(x, x_q, x_scale, w_q, w_scale, wt_q, wt_scale):
+    return x.new_empty((x.shape[0], w_q.shape[0]), dtype=_out_dtype(x))
+
+
+def _fp8_matmul_setup(ctx, inputs, output):
+    x, _, _, _, _, wt_q, wt_scale = inputs
+    ctx.save_for_backward(wt_q, wt_scale)
+    ctx.out_dtype = _out_dtype(x)
+
+
+def _fp8_matmul_backward(ctx, grad_out):
+    """dx = q(dy)·W with dy quantised per row in e5m2 (the gradient's range) and W per input column."""
+    wt_q, wt_scale = ctx.saved_tensors
+    g_q, g_scale = quantize_rows(grad_out.contiguous(), E5M2)
+    grad_x = _scaled_mm(g_q, g_scale, wt_q.t(), wt_scale.t(), ctx.out_dtype)
+    return grad_x, None, None, None, None, None, None
+
+
+fp8_matmul.register_autograd(_fp8_matmul_backward, setup_context=_fp8_matmul_setup)
 
 
 class FP8Linear(torch.nn.Module):
@@ -67,7 +88,9 @@ class FP8Linear(torch.nn.Module):
         pad = (-rows) % 16  # the FP8 kernels want every dimension a multiple of 16
         if pad:
             x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad))
-        y = _FP8Matmul.apply(x2.contiguous(), self.w_q, self.w_scale, self.wt_q, self.wt_scale)[:rows]
+        x2 = x2.contiguous()
+        x_q, x_scale = quantize_rows(x2.detach())
+        y = fp8_matmul(x2, x_q, x_scale, self.w_q, self.w_scale, self.wt_q, self.wt_scale)[:rows]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
