@@ -176,11 +176,12 @@ def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: Ro
     """Run the sampler for one chunk; returns (window latents, log-probs, sigmas, noise levels, final latents,
     window means). Results stay on the device until the end, so the loop never waits for a device-to-host copy.
 
-    With `plan.training_graph` a step that any sample of the chunk trains runs its network call `as_in_training` (the
-    output detached): a compiled network then runs the graph training runs, not its no-grad eval-mode twin, whose
-    fusions round differently (docs/performance.md, FP8 agreement), so the log-probs equal training's bit for bit
-    when a sampling call and a training micro-batch have the same rows. It costs the training forward's activation
-    memory."""
+    With `plan.training_graph` every step runs its network call `as_in_training` (the output detached): a compiled
+    network then runs the graph training runs, not its no-grad eval-mode twin, whose fusions round differently
+    (docs/performance.md, FP8 agreement), so the log-probs equal training's bit for bit when a sampling call and a
+    training micro-batch have the same rows. The steps no sample trains run it too: the twin compiled for them alone
+    (the last of flow_grpo's 10 steps) cost a cold start one more graph per block kind. It costs the training
+    forward's activation memory, freed after each call."""
     sigmas = adapter.sigmas(plan.num_steps, plan.shape)
     sigma_1 = stream_sigma_1(adapter, sigmas)
     starts = noise.starts
@@ -192,13 +193,10 @@ def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: Ro
     grid, starts_on, step_noise = sigmas.to(device), starts.to(device), to_device(noise.steps, device)
     step_fn = STEPS[plan.step]
     states, log_probs, levels, means = [x], [], [], []
-    trained_steps = torch.zeros(plan.num_steps, dtype=torch.bool)  # host-side: no device sync to decide
-    for start in starts.unique().tolist():
-        trained_steps[start:start + w] = True
     for j in range(plan.num_steps):
         level = plan.noise_level * ((j >= starts_on) & (j < starts_on + w)).float()
         sigma, sigma_next = grid[j].expand(b), grid[j + 1].expand(b)
-        if plan.training_graph and trained_steps[j]:
+        if plan.training_graph:
             flops = adapter.flops
             with region("velocity/rollout"), as_in_training(adapter):
                 v = {k: t.detach() for k, t in adapter.velocity(x, sigma, cond, shared, plan.guidance.scale).items()}
