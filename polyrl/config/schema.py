@@ -67,7 +67,7 @@ class RolloutConfig:
     sde_window_every: int = 1  # progressive: training steps between window slides
     shared_initial_noise: bool = False  # one initial noise per prompt group (DanceGRPO)
     log_density: str = "gaussian"  # gaussian | squared_distance (flow_grpo's cps score; sampling/steps.py)
-    # sample trained steps through the training forward's graph (sampling/diffusion.py); auto: when model.compile
+    # sample every step through the training forward's graph (sampling/diffusion.py); auto: when model.compile
     # is not none and batch_size equals the training micro-batch (then exact; eager kernels agree either way)
     training_graph: Union[bool, str] = "auto"  # noqa: UP007
     # token policies (model=causal_lm, ...; docs/tokens.md): response length, π = softmax(logits / temperature),
