@@ -128,6 +128,11 @@ def mean_stats(stats: dict[str, list], engine: LocalEngine | None = None) -> dic
     return {n: values[i] / values[k + i] for i, n in enumerate(names) if values[k + i] > 0}
 
 
+def micro_batch_samples(micro_batch_size: int | None, minibatch_samples: int) -> int:
+    """Samples per training forward: `actor.micro_batch_size`, or (unset) this rank's whole mini-batch."""
+    return micro_batch_size or max(minibatch_samples, 1)
+
+
 def _offsets(sizes: list[int]) -> list[int]:
     """Where each rank's samples start in the global batch (ranks hold contiguous shares)."""
     return [sum(sizes[:r]) for r in range(len(sizes))]
@@ -353,7 +358,7 @@ class LocalActor:
             return {"time/old_logprob": 0.0}
         t0 = time.perf_counter()
         old_policy = "old" if self.algo.samples_from_old else "current"
-        micro = self.cfg.micro_batch_size or max(len(batch), 1)
+        micro = micro_batch_samples(self.cfg.micro_batch_size, len(batch))
         lps, means = [], []
         for part in self._lockstep(list(torch.arange(len(batch)).split(micro)), self._sizes or [len(batch)]):
             sub = batch.select(torch.zeros(1, dtype=torch.long) if part is None else part)
@@ -405,7 +410,7 @@ class LocalActor:
         for i, mb in enumerate(order.chunk(min(self.cfg.num_minibatches, b))):
             self.optimizer.zero_grad(set_to_none=True)
             mine = mb[(mb >= offset) & (mb < offset + len(batch))] - offset
-            micro = self.cfg.micro_batch_size or max(len(mine), 1)
+            micro = micro_batch_samples(self.cfg.micro_batch_size, len(mine))
             total = None if weights is None else float(self.engine.sum(weights[mine.to(weights.device)].sum()))
             shares = [int(((mb >= o) & (mb < o + n)).sum()) for o, n in zip(_offsets(sizes), sizes, strict=True)]
             for part in self._lockstep(list(mine.split(micro)), shares):

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from ..actor import actor_class
+from ..actor.local import micro_batch_samples
 from ..actor.tokens import TokenActor
 from ..algorithms import build_algorithm, compute_advantages
 from ..algorithms.advantage import zero_std_ratio
@@ -296,7 +297,8 @@ class Trainer:
         self.compile_cache = compile_cache_path(cfg.model.get("compile_cache"), self.run_dir)
         self.compiled = cfg.model.get("compile", "none") != "none"
         r, a = cfg.rollout, cfg.actor
-        micro = a.micro_batch_size or cfg.data.prompts_per_step * r.n // max(a.num_minibatches, 1) // self.engine.dp_size
+        micro = micro_batch_samples(a.micro_batch_size, cfg.data.prompts_per_step * r.n // max(a.num_minibatches, 1)
+                                    // self.engine.dp_size)  # the actor's, before zero-advantage groups are dropped
         if r.training_graph == "auto":
             # only where it is exact and costs no memory training does not already need: a sampling call of the
             # micro-batch's size (a bigger call would hold a bigger forward's activations)
