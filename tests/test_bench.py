@@ -59,17 +59,19 @@ def test_bench_tiny_reports_every_stage_and_the_analytic_flops(tmp_path):
 
 def test_compile_seconds_count_the_forward_and_the_lazy_backward_compiles():
     """`compile_s` in bench.json: the forward graph compiles at the first call, the backward at the first backward
-    (AOTAutograd compiles it lazily); both are counted, and a second call compiles nothing."""
+    (AOTAutograd compiles it lazily); both are counted, and a second call compiles nothing. Torch's on-disk caches
+    are off: a graph found there loads its backward with the forward, and nothing compiles lazily."""
     from polyrl.perf.compile import compile_seconds
 
     fn = torch.compile(lambda x: (x.sin() * x).cos().sum())
     x = torch.randn(8, requires_grad=True)
-    start = compile_seconds()
-    loss = fn(x)
-    after_forward = compile_seconds()
-    loss.backward()
-    after_backward = compile_seconds()
-    fn(x).backward()
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        start = compile_seconds()
+        loss = fn(x)
+        after_forward = compile_seconds()
+        loss.backward()
+        after_backward = compile_seconds()
+        fn(x).backward()
     assert after_forward > start and after_backward > after_forward
     assert compile_seconds() == after_backward
 
