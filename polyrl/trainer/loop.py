@@ -317,6 +317,11 @@ class Trainer:
                 loaded = 0
             if loaded:
                 self.say(f"polyrl: compile cache: loaded {loaded / 2**20:.1f} MiB from {self.compile_cache}")
+            else:  # a cold first step can take minutes (docs/performance.md): say why it is slow, and what helps
+                saved = (f"saved to {self.compile_cache} after it (point model.compile_cache at that file to start "
+                         "warm)" if self.compile_cache else "not saved (model.compile_cache=null)")
+                self.say(f"polyrl: model.compile={cfg.model.compile}: the first step also compiles the networks "
+                         f"(minutes unless torch's own cache holds them); the graphs are {saved}")
         self.adapter = build_model(cfg.model, self.device)
         try:  # a media shape the model cannot make is a config error, reported before anything runs
             self.latent_shapes = self.adapter.latent_shapes(self.plan.shape) if self.kind == "diffusion" else {}
