@@ -16,7 +16,7 @@ import torch
 from ..algorithms.token_losses import TokenScores
 from ..batch import Rollout, TokenBatch
 from ..sampling.tokens import TokenPlan, response_token_log_probs
-from .local import LocalActor, correction_weights, in_bounds, mean_stats
+from .local import LocalActor, correction_weights, in_bounds, mean_stats, micro_batch_samples
 
 
 class TokenActor(LocalActor):
@@ -57,7 +57,7 @@ class TokenActor(LocalActor):
             return {"time/old_logprob": 0.0}
         t0 = time.perf_counter()
         old_policy = "old" if self.algo.samples_from_old else "current"
-        micro = self.cfg.micro_batch_size or max(len(batch), 1)
+        micro = micro_batch_samples(self.cfg.micro_batch_size, len(batch))
         old = torch.zeros_like(batch.log_probs)
         for part in torch.arange(len(batch)).split(micro):
             sub = batch.select(part)
