@@ -189,14 +189,21 @@ class WeightSnapshot:
     """The actor's trainable state before an update (weights, optimizer, EMA / old copy, update count) on the CPU:
     a step that fails or is abandoned in the middle of its update is rolled back to it, so the last completed
     step can still be saved. Taken only while the trainable weights have at most SNAPSHOT_MAX_PARAMS elements
-    (every LoRA we train; a full fine-tune of a large model is not copied every step)."""
+    (every LoRA we train; a full fine-tune of a large model is not copied every step).
+
+    From a GPU the tensors are copied into pinned memory without waiting: a copy into pageable memory makes the
+    host wait for the device once per tensor (1,544 waits per update for SD3's LoRA with AdamW and EMA). The copies
+    are queued before the update's kernels on the same stream, so they read the weights as they were; `restore`
+    waits for them."""
 
     def __init__(self, actor):
-        self.params = [p.detach().to("cpu", copy=True) for p in actor.params]
+        self.params = [_host_copy(p) for p in actor.params]
         self.optimizer = _to_cpu(actor.optimizer.state_dict())
         old = getattr(actor, "old_params", None)
-        self.old = None if old is None else [o.detach().to("cpu", copy=True) for o in old]
+        self.old = None if old is None else [_host_copy(o) for o in old]
         self.updates = actor.num_updates
+        devices = {p.device for p in actor.params if p.device.type == "cuda"}
+        self.copied = [torch.cuda.current_stream(d).record_event() for d in devices]
 
     @staticmethod
     def fits(actor) -> bool:
@@ -204,6 +211,8 @@ class WeightSnapshot:
 
     @torch.no_grad()
     def restore(self, actor) -> None:
+        for event in self.copied:
+            event.synchronize()
         for p, saved in zip(actor.params, self.params, strict=True):
             p.copy_(saved)
         actor.optimizer.load_state_dict(self.optimizer)
@@ -213,9 +222,20 @@ class WeightSnapshot:
         actor.num_updates = self.updates
 
 
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` on the CPU; a plain CUDA tensor goes to pinned memory without waiting for the device (the
+    caller records an event after the copies). A sharded (DTensor) parameter is copied as it is."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cuda" or type(tensor) is not torch.Tensor:
+        return tensor.to("cpu", copy=True)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
 def _to_cpu(obj):
     if torch.is_tensor(obj):
-        return obj.detach().to("cpu", copy=True)
+        return _host_copy(obj)
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
