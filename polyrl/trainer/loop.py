@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from functools import partial
@@ -243,6 +244,38 @@ def _to_cpu(obj):
     return obj
 
 
+class NoiseAhead:
+    """The next step's rollout noise, drawn on a worker thread while this step trains. The draw is CPU work (the
+    SD3.5-M benchmark's 64 samples x 11 latents of 16x64x64 are 46 M normals, ~0.3 s) that the GPU would otherwise
+    wait for at the start of every step. Same generator, same numbers as a draw in place; a draw for another key
+    (the step after a stop, a changed batch) is discarded and drawn again."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyrl-noise")
+        self.pending: tuple[tuple, Future] | None = None
+
+    def start(self, key: tuple, draw) -> None:
+        self.discard()
+        self.pending = (key, self.pool.submit(draw))
+
+    def take(self, key: tuple, draw):
+        """The noise for `key`: the one drawn ahead, else `draw()` now."""
+        if self.pending is not None and self.pending[0] == key:
+            (_, future), self.pending = self.pending, None
+            return future.result()
+        self.discard()
+        return draw()
+
+    def discard(self) -> None:
+        if self.pending is not None:
+            self.pending[1].cancel()
+            self.pending = None
+
+    def close(self) -> None:
+        self.discard()
+        self.pool.shutdown(wait=True)
+
+
 class StopRequested(BaseException):
     """Raised by the SIGINT / SIGTERM handler to abandon the work in progress (like KeyboardInterrupt, it is not an
     Exception, so no library `except Exception` swallows it)."""
@@ -376,6 +409,7 @@ class Trainer:
         self._stop: int | None = None  # the signal that asked the run to stop
         self._phase = "idle"  # step (nothing trained yet) | update | eval | save | idle
         self._snapshot: WeightSnapshot | None = None
+        self.noise_ahead = NoiseAhead()
         self._sampler_before: dict | None = None
         self._pending: dict | None = None  # a completed step's metrics not yet logged
         self._stop_note = ""
@@ -472,6 +506,8 @@ class Trainer:
             batch.advantages = advantages[mine]
             if cfg.rollout.max_staleness:
                 self._prefetch(step)
+            if step + 1 < cfg.trainer.max_steps:  # drawn on a worker thread while this step trains
+                self.noise_ahead.start((step + 1, len(rows)), partial(self._draw_noise, len(rows), step + 1))
             with timer("train"):
                 stats = self._update(batch, step_generator(cfg.trainer.seed, step, stream=1))
             if self.remote is not None:
@@ -502,17 +538,26 @@ class Trainer:
         """(prompts, metadata, group ids, this rank's sample indices, noise) of a step's rows: every prompt n times,
         the whole step's draws, then this rank's rows (the numbers do not depend on the world size)."""
         n = self.cfg.rollout.n
-        group_ids = torch.arange(len(rows)).repeat_interleave(n)
+        group_ids, mine = self._sample_ids(len(rows))
         share = self.engine.shard(len(rows))
-        mine = torch.arange(share.start * n, share.stop * n)  # this rank's samples (whole groups)
         prompts, metadata = [], []
         for row in rows[share.start:share.stop]:
             prompt, meta = split_row(row)
             prompts += [prompt] * n
             metadata += [meta] * n
-        noise = draw_noise(self.latent_shapes, self.plan, group_ids, step_generator(self.cfg.trainer.seed, step),
-                           step).select(mine)
+        noise = self.noise_ahead.take((step, len(rows)), partial(self._draw_noise, len(rows), step))
         return prompts, metadata, group_ids, mine, noise
+
+    def _sample_ids(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(group id of every sample of the step, this rank's sample indices: whole groups)."""
+        n = self.cfg.rollout.n
+        share = self.engine.shard(rows)
+        return torch.arange(rows).repeat_interleave(n), torch.arange(share.start * n, share.stop * n)
+
+    def _draw_noise(self, rows: int, step: int):
+        group_ids, mine = self._sample_ids(rows)
+        return draw_noise(self.latent_shapes, self.plan, group_ids, step_generator(self.cfg.trainer.seed, step),
+                          step).select(mine)
 
     def _prefetch(self, step: int) -> None:
         """rollout.max_staleness = k: the rollout replicas start the next k steps' rollouts now, on the weights
@@ -751,6 +796,7 @@ class Trainer:
         return history
 
     def close(self) -> None:
+        self.noise_ahead.close()
         self.reward_stage.close()
         if self.remote is not None:
             self.remote.close()
