@@ -56,3 +56,56 @@ def test_the_sd3_adapter_uses_it(tiny_sd3_dir):
 
     policy = MODELS.build("sd3", cfg, torch.device("cpu"))
     assert {type(p) for p in policy.transformer.attn_processors.values()} == {JointAttention}
+
+
+def _with_lora(model):
+    from polyrl.actor.local import add_lora
+    from polyrl.models.sd3 import SD3_LORA_TARGETS
+
+    add_lora(model, 2, 4, SD3_LORA_TARGETS)
+    g = torch.Generator().manual_seed(2)
+    for name, p in model.named_parameters():
+        if "lora_" in name:  # B starts at zero: make every adapter change its layer's output
+            p.data = torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3
+    return model
+
+
+def test_lora_q_k_v_as_one_matmul_equal_peft_per_layer_in_outputs_and_gradients():
+    """With LoRA on q/k/v, JointAttention runs the three A matrices as one matmul (models/shared_input_lora.py):
+    the same outputs and gradients (LoRA weights included) as diffusers' processor calling each PEFT layer, float64;
+    with the adapters disabled both give the base model."""
+    import polyrl.models.shared_input_lora as shared
+
+    reference = _with_lora(_transformer())
+    ours = copy.deepcopy(reference)
+    use_joint_attention(ours)
+    fused = []
+    vanilla = shared._vanilla_adapter
+    shared._vanilla_adapter = lambda layers: fused.append(vanilla(layers)) or fused[-1]
+    try:
+        g = torch.Generator().manual_seed(1)
+        inputs = dict(hidden_states=torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float64),
+                      encoder_hidden_states=torch.randn(2, 5, 12, generator=g, dtype=torch.float64),
+                      pooled_projections=torch.randn(2, 10, generator=g, dtype=torch.float64),
+                      timestep=torch.tensor([100.0, 700.0], dtype=torch.float64))
+        out_ref, grads_ref = _loss_and_grads(reference, inputs)
+        out, grads = _loss_and_grads(ours, inputs)
+        # the image and text q/k/v of each of the 3 joint attentions took the fused path; the dual blocks' attn2
+        # (no LoRA: the targets name `attn.` only) ran each layer as it is
+        assert fused.count("default") == 2 * 3 and fused.count(None) == 2 and len(fused) == 8
+        torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-12)
+        assert grads.keys() == grads_ref.keys() and any("lora_A" in n for n in grads)
+        for name in grads:
+            torch.testing.assert_close(grads[name], grads_ref[name], rtol=0, atol=1e-12, msg=name)
+        fused.clear()
+        for model in (reference, ours):
+            model.disable_adapters()
+        base = _transformer()
+        use_joint_attention(base)
+        with torch.no_grad():
+            off, off_ref, plain = (m(**inputs).sample for m in (ours, reference, base))
+        assert set(fused) == {None}  # disabled adapters: each layer's own forward
+        torch.testing.assert_close(off, plain, rtol=0, atol=1e-12)
+        torch.testing.assert_close(off_ref, plain, rtol=0, atol=1e-12)
+    finally:
+        shared._vanilla_adapter = vanilla

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from ..latents import Latents, MediaShape
 from .base import Cond, Media, Prompt, register_model, text_only
 from .diffusers_base import DiffusersPolicy, frozen
+from .shared_input_lora import shared_input_projections
 
 SD3_LORA_TARGETS = [
     "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
@@ -102,6 +103,7 @@ class JointAttention:
     concatenation along the sequence is the one copy, and attention reads the transposed views: flash / cuDNN
     attention take (B, S, H, D) strides natively and write their output in that order, so the reshape back to
     (B, S, H·D) is a view too. The q/k RMS norms act on the last dimension, so the layout does not change them.
+    With LoRA on the q/k/v projections their A matrices run as one matmul (models/shared_input_lora.py).
     """
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
@@ -109,15 +111,14 @@ class JointAttention:
             return x.unflatten(-1, (attn.heads, -1))
 
         image_tokens = hidden_states.shape[1]
-        q, k, v = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(attn.to_v(hidden_states))
+        q, k, v = map(heads, shared_input_projections([attn.to_q, attn.to_k, attn.to_v], hidden_states))
         if attn.norm_q is not None:
             q = attn.norm_q(q)
         if attn.norm_k is not None:
             k = attn.norm_k(k)
         if encoder_hidden_states is not None:
-            cq = heads(attn.add_q_proj(encoder_hidden_states))
-            ck = heads(attn.add_k_proj(encoder_hidden_states))
-            cv = heads(attn.add_v_proj(encoder_hidden_states))
+            cq, ck, cv = map(heads, shared_input_projections([attn.add_q_proj, attn.add_k_proj, attn.add_v_proj],
+                                                             encoder_hidden_states))
             if attn.norm_added_q is not None:
                 cq = attn.norm_added_q(cq)
             if attn.norm_added_k is not None:
