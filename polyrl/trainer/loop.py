@@ -578,6 +578,8 @@ class Trainer:
 
     def _update(self, batch: Rollout, generator: torch.Generator) -> dict:
         """The actor's update, after a copy of what it changes (WeightSnapshot) where that copy is small."""
+        # the last snapshot goes first: its pinned buffers then serve this one (the host allocator caches them)
+        self._snapshot = None
         self._snapshot = WeightSnapshot(self.actor) if WeightSnapshot.fits(self.actor) else None
         self._phase = "update"
         return self.actor.update(self.algo, batch, generator)
