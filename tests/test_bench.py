@@ -35,7 +35,13 @@ def test_bench_tiny_reports_every_stage_and_the_analytic_flops(tmp_path):
     assert regions["train"]["wall_s"] <= regions["step"]["wall_s"]
     assert "| velocity/reference | 18 |" in (out / "profile.md").read_text()  # a CPU run: host seconds only
     assert s["images_per_s"] == pytest.approx(8 / s["seconds_per_epoch"])
-    assert set(s["stages_s"]) == {"text_encode", "rollout", "decode", "reward", "old_logprob", "train", "weight_sync"}
+    assert set(s["stages_s"]) == {"text_encode", "rollout", "decode", "reward", "reward_wait", "old_logprob", "train",
+                                  "weight_sync"}
+    # the step's seconds no stage timed: what the host did between them (never negative: the stages nest in the step)
+    m = result["history"][1]
+    exposed = sum(m.get(f"time/{k}", 0.0) for k in ("text_encode", "rollout", "train", "weight_sync")) + m.get(
+        "time/reward_wait", m.get("time/reward", 0.0))
+    assert s["outside_stages_s"] == pytest.approx(m["time/step"] - exposed) and 0 <= s["outside_stages_s"] < m["time/step"]
     assert "mfu" not in s  # no GPU: no measured peak, no MFU
     # every transformer call was counted: 10 CFG sampling steps + 9 trained CFG steps (3x) with a KL forward (1x)
     model = SD3Transformer2DModel.from_pretrained(str(out / "sd35m_tiny"), subfolder="transformer")

@@ -27,7 +27,16 @@ import torch
 
 ADJECTIVES = ["red", "tall", "old", "shiny", "small", "wooden", "happy", "giant"]
 OBJECTS = ["robot", "cat", "tree", "lighthouse", "teapot", "dragon", "bicycle", "snowman"]
-STAGES = ["text_encode", "rollout", "decode", "reward", "old_logprob", "train", "weight_sync"]
+STAGES = ["text_encode", "rollout", "decode", "reward", "reward_wait", "old_logprob", "train", "weight_sync"]
+
+
+def outside_stages(m: dict) -> float:
+    """Seconds of a step's `time/step` that no stage timed: host work between the stages (drawing the noise,
+    advantages, bookkeeping), while the device waits. decode is inside rollout and old_logprob inside train; an
+    overlapped reward counts only its wait (`time/reward` is then the worker's busy time)."""
+    reward = m.get("time/reward_wait", m.get("time/reward", 0.0))
+    timed = sum(m.get(f"time/{s}", 0.0) for s in ("text_encode", "rollout", "train", "weight_sync")) + reward
+    return m["time/step"] - timed
 
 
 def bench_prompts(count: int) -> list[str]:
@@ -170,6 +179,7 @@ def summarize(history: list[dict], warmup: int, images_per_epoch: int, frames_pe
     step_s = med("time/step")
     out = {"epochs_measured": len(measured), "seconds_per_epoch": step_s, "images_per_epoch": images_per_epoch,
            "images_per_s": images_per_epoch / step_s, "stages_s": {s: med(f"time/{s}") for s in STAGES},
+           "outside_stages_s": statistics.median(outside_stages(m) for m in measured),
            "model_tflop_per_epoch": med("perf/tflops"), "achieved_tflop_per_s": med("perf/achieved_tflops_per_s")}
     if frames_per_sample:  # video: the images of the unit are videos
         out["frames_per_s"] = out["images_per_s"] * frames_per_sample
@@ -212,6 +222,8 @@ def table(result: dict) -> str:
     if s.get("compile_s"):
         rows.append(("  compiling s (whole run)", f"{s['compile_s']:.2f}"))
     rows += [(f"  {k} s", f"{v:.2f}") for k, v in s["stages_s"].items()]
+    if "outside_stages_s" in s:
+        rows.append(("  outside the stages s", f"{s['outside_stages_s']:.2f}"))
     rows += [("model TFLOP/epoch", f"{s['model_tflop_per_epoch']:.4g}"),
              ("achieved TFLOP/s", f"{s['achieved_tflop_per_s']:.4g}")]
     if "mfu" in s:
