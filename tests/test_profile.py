@@ -81,3 +81,37 @@ def test_kernel_kinds():
     assert kernel_kind("void at::native::elementwise_kernel<copy>") == "copy"
     assert kernel_kind("flash_fwd_kernel") == "attention"
     assert kernel_kind("void at::native::reduce_kernel<512>") == "other"
+
+
+def test_synchronising_calls_are_counted_by_their_python_stack():
+    """`counted_syncs` turns torch.cuda's sync-debug warnings into counts per Python stack (innermost first); other
+    warnings still warn, and the report lists the stacks. The warning is raised here by hand: a CPU never syncs."""
+    import warnings
+    from collections import Counter
+
+    from polyrl.perf.profile import SYNC_WARNING, counted_syncs
+
+    def copy_in_a_loop():
+        warnings.warn(f"{SYNC_WARNING}", UserWarning)
+
+    def item_once():
+        warnings.warn(f"{SYNC_WARNING}", UserWarning)
+
+    counts, shown = Counter(), []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *args, **kwargs: shown.append(str(message))
+        with counted_syncs(counts):
+            for _ in range(3):
+                copy_in_a_loop()
+            item_once()
+            warnings.warn("unrelated", DeprecationWarning)
+    assert shown == ["unrelated"]  # passed on to the warning display in place before
+    assert sorted(counts.values()) == [1, 3]
+    stacks = {stack.split(" <- ")[0].split(" ")[1]: n for stack, n in counts.items()}
+    assert stacks == {"copy_in_a_loop": 3, "item_once": 1}
+    assert all(" <- " in stack and "test_synchronising_calls" in stack for stack in counts)
+    text = report({"regions": {}, "device_s": 0.0, "top_host_ops": [],
+                   "syncs": {"total": 4, "stacks": counts.most_common()}})
+    assert "host-device synchronisations: 4" in text and "copy_in_a_loop | 3" not in text
+    assert any(line.startswith("| 3 | test_profile.py:") and "copy_in_a_loop" in line for line in text.splitlines())

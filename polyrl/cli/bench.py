@@ -388,7 +388,8 @@ def main(args: list[str]) -> int:
     p.add_argument("--workload", default="sd35m", choices=sorted(WORKLOADS))
     p.add_argument("--profile", action="store_true",
                    help="profile one more epoch after the measured ones: <out>/profile.md (per stage and phase: wall, "
-                        "device-busy and idle seconds; kernels by kind; the largest kernels and host ops)")
+                        "device-busy and idle seconds; kernels by kind; the largest kernels and host ops; on a GPU the "
+                        "host-device synchronisations by Python stack)")
     a, overrides = p.parse_known_args(args)
     result = run_bench(Path(a.out), a.tiny, a.epochs, a.warmup, overrides, Path(a.model_dir) if a.model_dir else None,
                        a.workload, a.profile)

@@ -10,14 +10,19 @@ the Chrome trace that `torch.profiler` exports and reports, per region:
 - the device seconds of the kernels *launched* from the region (matched to their launch by the trace's correlation
   ids): a phase's own device work even when the host runs ahead of the device, as it does inside a stage.
 
-Then the kernel time by kind and the largest kernels and host-side ops.
+Then the kernel time by kind and the largest kernels and host-side ops, and the calls that made the host wait for the
+device, counted by Python stack (`counted_syncs`: torch.cuda's sync debug mode; a copy into pageable memory or an
+`.item()` inside a loop shows up there with the line that made it).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import traceback
+import warnings
 from bisect import bisect_left, bisect_right
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 
 import torch
@@ -143,8 +148,49 @@ def summarize_trace(events: list[dict], top: int = 25) -> dict:
     }
 
 
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch.cuda's sync debug mode, "warn"
+
+
+@contextmanager
+def counted_syncs(counts: Counter, depth: int = 8):
+    """Inside the block every call that synchronises the host with the device adds 1 to `counts[stack]` (its Python
+    stack, innermost frame first, `depth` frames) instead of warning. Nothing synchronises off a GPU: `counts` stays
+    empty there."""
+    cuda = torch.cuda.is_available()
+    mode = torch.cuda.get_sync_debug_mode() if cuda else 0
+    with warnings.catch_warnings():  # restores the filters and showwarning on exit
+        original = warnings.showwarning
+
+        def count(message, category, filename, lineno, file=None, line=None):
+            if SYNC_WARNING not in str(message):
+                return original(message, category, filename, lineno, file, line)
+            frames = [f for f in traceback.extract_stack()[:-1] if os.path.basename(f.filename) != "warnings.py"]
+            counts[" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames[-depth:]))] += 1
+
+        warnings.simplefilter("always")
+        warnings.showwarning = count
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counts
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(mode)
+
+
+def sync_lines(syncs: dict) -> list[str]:
+    lines = ["", f"host-device synchronisations: {syncs['total']} (by Python stack, innermost frame first)", "",
+             "| count | stack |", "|---|---|"]
+    return lines + [f"| {n} | {stack} |" for stack, n in syncs["stacks"]]
+
+
 def report(summary: dict) -> str:
     """The summary as markdown tables (host seconds only when the trace has no device events: a CPU run)."""
+    text = _tables(summary)
+    return text + ("\n".join(sync_lines(summary["syncs"])) + "\n" if summary.get("syncs") else "")
+
+
+def _tables(summary: dict) -> str:
     regions = sorted(summary["regions"].items(), key=lambda kv: -kv[1]["wall_s"])
     if not summary["device_s"]:
         lines = ["| region | calls | wall s |", "|---|---|---|"]
@@ -181,12 +227,15 @@ def profiled(out_dir):
 
     out_dir = Path(out_dir)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
+    syncs = Counter()
+    with profile(activities=activities) as prof, counted_syncs(syncs):
         yield
     trace = out_dir / "profile_trace.json"
     prof.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text()).get("traceEvents", [])
     summary = summarize_trace(events)
+    if torch.cuda.is_available():
+        summary["syncs"] = {"total": sum(syncs.values()), "stacks": syncs.most_common(20)}
     (out_dir / "profile.json").write_text(json.dumps(summary, indent=1))
     (out_dir / "profile.md").write_text(report(summary))
     trace.unlink()
