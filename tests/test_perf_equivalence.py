@@ -139,7 +139,6 @@ def test_next_steps_noise_is_drawn_during_the_update_with_the_same_numbers(tiny_
     import threading
 
     import polyrl.trainer.loop as loop
-
     from polyrl.rewards import REWARDS
 
     REWARDS.setdefault("test_mean_brightness", MeanBrightness)

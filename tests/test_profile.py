@@ -92,10 +92,10 @@ def test_synchronising_calls_are_counted_by_their_python_stack():
     from polyrl.perf.profile import SYNC_WARNING, counted_syncs
 
     def copy_in_a_loop():
-        warnings.warn(f"{SYNC_WARNING}", UserWarning)
+        warnings.warn(SYNC_WARNING, UserWarning, stacklevel=1)
 
     def item_once():
-        warnings.warn(f"{SYNC_WARNING}", UserWarning)
+        warnings.warn(SYNC_WARNING, UserWarning, stacklevel=1)
 
     counts, shown = Counter(), []
     with warnings.catch_warnings():
@@ -105,7 +105,7 @@ def test_synchronising_calls_are_counted_by_their_python_stack():
             for _ in range(3):
                 copy_in_a_loop()
             item_once()
-            warnings.warn("unrelated", DeprecationWarning)
+            warnings.warn("unrelated", DeprecationWarning, stacklevel=1)
     assert shown == ["unrelated"]  # passed on to the warning display in place before
     assert sorted(counts.values()) == [1, 3]
     stacks = {stack.split(" <- ")[0].split(" ")[1]: n for stack, n in counts.items()}

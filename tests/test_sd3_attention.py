@@ -20,6 +20,14 @@ def _transformer() -> SD3Transformer2DModel:
     ).double()
 
 
+def _inputs() -> dict:
+    g = torch.Generator().manual_seed(1)
+    return dict(hidden_states=torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float64),
+                encoder_hidden_states=torch.randn(2, 5, 12, generator=g, dtype=torch.float64),
+                pooled_projections=torch.randn(2, 10, generator=g, dtype=torch.float64),
+                timestep=torch.tensor([100.0, 700.0], dtype=torch.float64))
+
+
 def _loss_and_grads(model, inputs):
     model.zero_grad()
     out = model(**inputs).sample
@@ -34,11 +42,7 @@ def test_joint_attention_equals_diffusers_processor_in_outputs_and_gradients():
     use_joint_attention(ours)
     assert {type(p) for p in ours.attn_processors.values()} == {JointAttention}
     assert any(name.endswith("attn2.processor") for name in ours.attn_processors)  # the dual blocks are covered
-    g = torch.Generator().manual_seed(1)
-    inputs = dict(hidden_states=torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float64),
-                  encoder_hidden_states=torch.randn(2, 5, 12, generator=g, dtype=torch.float64),
-                  pooled_projections=torch.randn(2, 10, generator=g, dtype=torch.float64),
-                  timestep=torch.tensor([100.0, 700.0], dtype=torch.float64))
+    inputs = _inputs()
     out_ref, grads_ref = _loss_and_grads(reference, inputs)
     out, grads = _loss_and_grads(ours, inputs)
     torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-12)
@@ -83,11 +87,7 @@ def test_lora_q_k_v_as_one_matmul_equal_peft_per_layer_in_outputs_and_gradients(
     vanilla = shared._vanilla_adapter
     shared._vanilla_adapter = lambda layers: fused.append(vanilla(layers)) or fused[-1]
     try:
-        g = torch.Generator().manual_seed(1)
-        inputs = dict(hidden_states=torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float64),
-                      encoder_hidden_states=torch.randn(2, 5, 12, generator=g, dtype=torch.float64),
-                      pooled_projections=torch.randn(2, 10, generator=g, dtype=torch.float64),
-                      timestep=torch.tensor([100.0, 700.0], dtype=torch.float64))
+        inputs = _inputs()
         out_ref, grads_ref = _loss_and_grads(reference, inputs)
         out, grads = _loss_and_grads(ours, inputs)
         # the image and text q/k/v of each of the 3 joint attentions took the fused path; the dual blocks' attn2
