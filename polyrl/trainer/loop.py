@@ -501,6 +501,7 @@ class Trainer:
                 scoring.cancel()
                 raise
             scoring.finish(batch, timer)
+            del noise  # freed before the next step's is drawn (a video run's noise is gigabytes on the host)
             rewards = engine.gather(batch.rewards)  # the step's rewards, in global sample order
             advantages = compute_advantages(self.algo, rewards, group_ids)
             batch.advantages = advantages[mine]
