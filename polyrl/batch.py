@@ -134,7 +134,11 @@ def _cat(values: list, ragged: bool = False):
 
 
 def _to(value, device):
-    if isinstance(value, torch.Tensor | TokenBatch):
+    if isinstance(value, torch.Tensor):
+        # to an accelerator the copy is only queued (from pinned memory, e.g. a GPU rollout's results, the host
+        # goes on at once; from pageable memory it returns once the data is staged); to the host it must land first
+        return value.to(device, non_blocking=torch.device(device).type != "cpu")
+    if isinstance(value, TokenBatch):
         return value.to(device)
     if isinstance(value, dict):
         return {k: _to(v, device) for k, v in value.items()}

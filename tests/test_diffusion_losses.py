@@ -3,7 +3,9 @@ from the formulas), on hand-made and random inputs, gradients included."""
 
 from __future__ import annotations
 
+import copy
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -280,6 +282,41 @@ def test_shared_initial_noise_per_group_and_stored_means(shared):
     std2 = 0.5**2 * sigma / (1 - sigma)
     np.testing.assert_allclose(out.old_means["x"][:, 0].numpy(), (x0 * (1 + std2 * (sigma_next - sigma) / (2 * sigma))).numpy(),
                                rtol=1e-6)
+
+
+class HalfVelocity(ZeroVelocity):
+    def velocity(self, latents, sigma, cond, shared, guidance):
+        return {k: 0.5 * v for k, v in latents.items()}
+
+
+def test_chunks_read_their_noise_as_views_and_each_hands_on_its_rows():
+    """A chunk's draws are views into the step's noise (`RolloutNoise.select` with a slice: on a GPU the pinned
+    memory stays pinned, so its copies are queued without waiting), which sampling must not write into; the batch
+    sampled in 3 chunks equals the one sampled in 1, and each chunk given to the reward stage holds its own rows."""
+    plan = SamplingPlan(num_steps=4, shape=MediaShape(3, 3), guidance=Guidance(1.0), noise_level=0.5, window_size=2,
+                        window_range=(0, 2), batch_size=6)
+    groups = torch.arange(6)
+    noise = draw_noise({"x": (2, 3, 3)}, plan, groups, torch.Generator().manual_seed(0))
+    before = copy.deepcopy(noise)
+    view, copied = noise.select(slice(2, 4)), noise.select(torch.arange(2, 4))
+    assert view.steps["x"].data_ptr() == noise.steps["x"][:, 2].data_ptr()
+    assert torch.equal(view.steps["x"], copied.steps["x"]) and torch.equal(view.initial["x"], copied.initial["x"])
+
+    class Sink(list):
+        put = list.append
+
+    whole = rollout(HalfVelocity(), ["a"] * 6, [{}] * 6, groups, plan, noise, decode=False)
+    chunks = Sink()
+    parts = rollout(HalfVelocity(), ["a"] * 6, [{}] * 6, groups, replace(plan, batch_size=2), noise, decode=False,
+                    sink=chunks)
+    assert all(torch.equal(getattr(noise, f)["x"], getattr(before, f)["x"]) for f in ("initial", "steps"))
+    for name in ("latents", "final", "old_means", "cond"):
+        assert all(torch.equal(getattr(whole, name)[k], getattr(parts, name)[k]) for k in getattr(whole, name))
+    for name in ("log_probs", "sigmas", "noise_levels"):
+        assert torch.equal(getattr(whole, name), getattr(parts, name))
+    assert [c.index for c in chunks] == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    for c in chunks:
+        assert torch.equal(c.final["x"], whole.final["x"][c.index])
 
 
 class GradModeSpy(ZeroVelocity):

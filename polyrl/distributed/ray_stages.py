@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import ray
 import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
+from torch.utils._pytree import tree_map
 
 from ..batch import Rollout
 from ..latents import cat_latents, to_device
@@ -213,8 +214,9 @@ class RolloutReplica:
         flops = getattr(self.policy, "flops", 0.0)
         cond = to_device(cond, device)
         part = sample_latents(self.policy, cond, to_device(shared, device), noise, plan)
-        media, ready = decode_chunk(self.policy, part[4], cond) if decode else (None, lambda: 0.0)
+        media, ready = decode_chunk(self.policy, part.final, cond) if decode else (None, lambda: 0.0)
         decode_s = ready()
+        part = tree_map(lambda t: t.cpu(), part)  # the reply is pickled from host memory
         info = {"version": self.receiver.version, "decode_s": decode_s,
                 "flops": getattr(self.policy, "flops", 0.0) - flops}
         return (part, info), media
@@ -270,6 +272,7 @@ class RemoteScoring:
         self.calls: dict[int, Call] = {}
 
     def put(self, chunk: MediaChunk) -> None:
+        chunk.ready()  # Ray pickles the arguments now: a local GPU rollout's copies to the host must have landed
         s = chunk.index
         self.calls[s.start] = self.pool.submit("score", self.tag, s.start, chunk.media, self.prompts[s],
                                                self.metadata[s], chunk.final)

@@ -12,8 +12,10 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+from torch.utils._pytree import tree_map, tree_map_
 
 from ..batch import Rollout
 from ..latents import Latents, MediaShape, cat_latents, map_latents, stack_latents, to_device
@@ -77,16 +79,18 @@ class RolloutNoise:
     starts: torch.Tensor
     steps: Latents
 
-    def select(self, idx: torch.Tensor) -> RolloutNoise:
+    def select(self, idx: torch.Tensor | slice) -> RolloutNoise:
+        """The draws of samples `idx`; a slice selects views (pinned memory stays pinned, nothing is copied)."""
         return RolloutNoise({k: v[idx] for k, v in self.initial.items()}, self.starts[idx],
                             {k: v[:, idx] for k, v in self.steps.items()})
 
 
 def draw_noise(shapes: dict[str, tuple[int, ...]], plan: SamplingPlan, group_ids: torch.Tensor,
-               generator: torch.Generator, step: int = 0) -> RolloutNoise:
+               generator: torch.Generator, step: int = 0, pin_memory: bool = False) -> RolloutNoise:
     """Draw a whole batch's randomness in a fixed order: initial noise sample by sample (or group by group with
     `plan.shared_noise`), window starts, then the step noise step-major, so the numbers depend on neither the
-    chunking nor the rank that samples them."""
+    chunking nor the rank that samples them. `pin_memory` (for a GPU rollout; the same numbers) puts the noise in
+    page-locked memory, whose copies to the device the host queues without waiting."""
     def one() -> Latents:
         return {k: torch.randn((1, *s), generator=generator, dtype=torch.float32) for k, s in shapes.items()}
 
@@ -97,8 +101,10 @@ def draw_noise(shapes: dict[str, tuple[int, ...]], plan: SamplingPlan, group_ids
         initial = {k: v[group_index] for k, v in per_group.items()}
     else:
         initial = cat_latents([one() for _ in range(b)])
+    if pin_memory:
+        initial = {k: v.pin_memory() for k, v in initial.items()}
     starts = window_starts(plan, b, generator, step)
-    steps = {k: torch.randn((plan.num_steps, b, *s), generator=generator, dtype=torch.float32)
+    steps = {k: torch.randn((plan.num_steps, b, *s), generator=generator, dtype=torch.float32, pin_memory=pin_memory)
              for k, s in shapes.items()}
     return RolloutNoise(initial, starts, steps)
 
@@ -121,7 +127,7 @@ def decode_chunk(adapter: DiffusionPolicy, final: Latents,
     """Decode clean latents, through the adapter's `complete_latents` with the chunk's conditioning `cond` (a policy
     without that hook, or no `cond`, decodes them as they are); returns (media on the host, ready). On CUDA the decode
     and a pinned non-blocking copy are only queued (sampling of the next chunk is queued behind them), and `ready()`
-    waits on an event."""
+    waits on an event recorded after them, so for everything queued on the stream before it too."""
     dev = adapter.device
 
     def complete() -> Latents:
@@ -171,10 +177,22 @@ def as_in_training(adapter: DiffusionPolicy):
             network.train(False)
 
 
+class Sampled(NamedTuple):
+    """One chunk's trajectories from `sample_latents`, on the sampling device (`sigmas` on the host)."""
+
+    latents: Latents  # each (B, W+1, ...): the states of the trained window
+    log_probs: torch.Tensor  # (B, W)
+    sigmas: torch.Tensor  # (B, W+1)
+    noise_levels: torch.Tensor  # (B, W)
+    final: Latents  # each (B, ...): the clean latents
+    means: Latents  # each (B, W, ...): the window's transition means
+
+
 @torch.no_grad()
-def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: RolloutNoise, plan: SamplingPlan):
-    """Run the sampler for one chunk; returns (window latents, log-probs, sigmas, noise levels, final latents,
-    window means). Results stay on the device until the end, so the loop never waits for a device-to-host copy.
+def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: RolloutNoise, plan: SamplingPlan) -> Sampled:
+    """Run the sampler for one chunk. Nothing in it waits for the device: the results stay there (the caller
+    copies them to the host, `rollout`), and the noise's copies to the device are queued without waiting (from
+    pinned memory; see `draw_noise`).
 
     With `plan.training_graph` every step runs its network call `as_in_training` (the output detached): a compiled
     network then runs the graph training runs, not its no-grad eval-mode twin, whose fusions round differently
@@ -187,10 +205,11 @@ def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: Ro
     starts = noise.starts
     b, w = len(starts), plan.trained_steps
     device = adapter.device
-    x = to_device(noise.initial, device, torch.float32)
-    # every per-step input goes to the device once per chunk: a copy from pageable host memory inside the loop makes
-    # the host wait for the device at every step, and the device then idles while the next step is launched
-    grid, starts_on, step_noise = sigmas.to(device), starts.to(device), to_device(noise.steps, device)
+    # every per-step input goes to the device once per chunk, each step's noise as its own (contiguous, so still
+    # pinned) slice: a copy from pageable host memory makes the host wait for all the device's queued work
+    x = to_device(noise.initial, device, torch.float32, non_blocking=True)
+    grid, starts_on = sigmas.to(device, non_blocking=True), starts.to(device, non_blocking=True)
+    step_noise = {k: [z.to(device, non_blocking=True) for z in s] for k, s in noise.steps.items()}
     step_fn = STEPS[plan.step]
     states, log_probs, levels, means = [x], [], [], []
     for j in range(plan.num_steps):
@@ -213,16 +232,45 @@ def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: Ro
         means.append(out.mean)
         log_probs.append(out.log_prob)
         levels.append(level)
-    lp_t, lv_t = torch.stack(log_probs, 1).cpu(), torch.stack(levels, 1).cpu()  # (B, N)
+    # the window is gathered on the device: only its W+1 states (of N+1) will cross to the host
     pos = starts.view(-1, 1) + torch.arange(w + 1).view(1, -1)  # (B, W+1)
-    rows = torch.arange(b).view(-1, 1)
-    # the window is gathered on the device: only its W+1 states (of N+1) cross to the host
-    rows_on, pos_on = rows.to(device), pos.to(device)
-    win_latents = map_latents(lambda t: t[rows_on, pos_on].cpu(), stack_latents(states))  # (B, W+1, ...)
-    win_means = map_latents(lambda t: t[rows_on, pos_on[:, :w]].cpu(), stack_latents(means))
-    win_lp = torch.gather(lp_t, 1, pos[:, :w])
-    win_levels = torch.gather(lv_t, 1, pos[:, :w])
-    return win_latents, win_lp, sigmas[pos], win_levels, {k: v.cpu() for k, v in x.items()}, win_means
+    pos_on = starts_on.view(-1, 1) + torch.arange(w + 1, device=device).view(1, -1)
+    rows_on = torch.arange(b, device=device).view(-1, 1)
+    return Sampled(
+        latents=map_latents(lambda t: t[rows_on, pos_on], stack_latents(states)),
+        log_probs=torch.gather(torch.stack(log_probs, 1), 1, pos_on[:, :w]),
+        sigmas=sigmas[pos],
+        noise_levels=torch.gather(torch.stack(levels, 1), 1, pos_on[:, :w]),
+        final=x,
+        means=map_latents(lambda t: t[rows_on, pos_on[:, :w]], stack_latents(means)),
+    )
+
+
+def _host_like(value, pinned: bool, rows: int | None = None):
+    """Empty host tensors shaped like each tensor of `value` (with `rows` samples when given); `pinned`: in
+    page-locked memory, which a copy from the GPU can fill without the host waiting."""
+    return tree_map(lambda t: torch.empty(t.shape if rows is None else (rows, *t.shape[1:]), dtype=t.dtype,
+                                          pin_memory=pinned), value)
+
+
+def _copy_rows(dst, src, rows: slice, pinned: bool) -> None:
+    """Copy each tensor of `src` into rows `rows` of `dst`'s; into pinned memory the copy is only queued."""
+    tree_map_(lambda d, s: d[rows].copy_(s, non_blocking=pinned), dst, src)
+
+
+def _to_host(value: Cond, pinned: bool) -> Cond:
+    out = _host_like(value, pinned)
+    _copy_rows(out, value, slice(None), pinned)
+    return out
+
+
+def _queued_work_done(device: torch.device) -> Callable[[], float]:
+    """A `ready()` that waits for the work queued on `device` so far (an event recorded now; nothing on a CPU)."""
+    if device.type != "cuda":
+        return lambda: 0.0
+    done = torch.cuda.Event()
+    done.record()
+    return lambda: done.synchronize() or 0.0
 
 
 def rollout(
@@ -238,25 +286,30 @@ def rollout(
     cond = adapter.encode_prompts(prompts)
     shared = adapter.encode_guidance(plan.guidance)
     b = len(prompts)
-    parts, chunks = [], []
+    # The results cross to the host without the host waiting: from a GPU each copy goes into pinned memory, queued
+    # behind the chunk's sampling, and a chunk's `ready()` waits for an event recorded after its copies (one
+    # stream), so the next chunk is launched while the device still samples this one. The host reads nothing
+    # before `ready()`: the reward stage calls it per chunk, and this function for all chunks before it returns.
+    pinned = adapter.device.type == "cuda"
+    host_cond, host_shared = _to_host(cond, pinned), _to_host(shared, pinned)
+    host, chunks = None, []
     for i in range(0, b, plan.batch_size):
         sl = slice(i, min(b, i + plan.batch_size))
-        idx = torch.arange(sl.start, sl.stop)
         chunk_cond = {k: v[sl] for k, v in cond.items()}
-        parts.append(sample_latents(adapter, chunk_cond, shared, noise.select(idx), plan))
-        final = parts[-1][4]
-        media, ready = decode_chunk(adapter, final, chunk_cond) if decode else (None, lambda: 0.0)
-        chunks.append(MediaChunk(sl, final, media, ready))
+        part = sample_latents(adapter, chunk_cond, shared, noise.select(sl), plan)
+        if host is None:
+            host = _host_like(part, pinned, rows=b)
+        _copy_rows(host, part, sl, pinned)
+        media, ready = (decode_chunk(adapter, part.final, chunk_cond) if decode
+                        else (None, _queued_work_done(adapter.device)))
+        chunks.append(MediaChunk(sl, {k: v[sl] for k, v in host.final.items()}, media, ready))
         if sink is not None:
             sink.put(chunks[-1])
     decode_s = sum(c.ready() for c in chunks)
     if times is not None and decode:
         times["time/decode"] = times.get("time/decode", 0.0) + decode_s
-    latents, log_probs, sigmas, levels, final, means = (
-        cat_latents(list(t)) if isinstance(t[0], dict) else torch.cat(t) for t in zip(*parts, strict=True))
     return Rollout(
-        prompts=list(prompts), metadata=list(metadata), group_ids=group_ids,
-        cond={k: v.cpu() for k, v in cond.items()}, shared={k: v.cpu() for k, v in shared.items()},
-        latents=latents, log_probs=log_probs, sigmas=sigmas, noise_levels=levels, final=final,
-        media=cat_media([c.media for c in chunks]) if decode else None, old_means=means,
+        prompts=list(prompts), metadata=list(metadata), group_ids=group_ids, cond=host_cond, shared=host_shared,
+        latents=host.latents, log_probs=host.log_probs, sigmas=host.sigmas, noise_levels=host.noise_levels,
+        final=host.final, media=cat_media([c.media for c in chunks]) if decode else None, old_means=host.means,
     )

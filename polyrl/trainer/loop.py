@@ -549,16 +549,16 @@ class Trainer:
         noise = self.noise_ahead.take((step, len(rows)), partial(self._draw_noise, len(rows), step))
         return prompts, metadata, group_ids, mine, noise
 
-    def _sample_ids(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(group id of every sample of the step, this rank's sample indices: whole groups)."""
+    def _sample_ids(self, rows: int) -> tuple[torch.Tensor, slice]:
+        """(group id of every sample of the step, this rank's samples: whole groups, contiguous)."""
         n = self.cfg.rollout.n
         share = self.engine.shard(rows)
-        return torch.arange(rows).repeat_interleave(n), torch.arange(share.start * n, share.stop * n)
+        return torch.arange(rows).repeat_interleave(n), slice(share.start * n, share.stop * n)
 
     def _draw_noise(self, rows: int, step: int):
         group_ids, mine = self._sample_ids(rows)
         return draw_noise(self.latent_shapes, self.plan, group_ids, step_generator(self.cfg.trainer.seed, step),
-                          step).select(mine)
+                          step, pin_memory=self.device.type == "cuda").select(mine)
 
     def _prefetch(self, step: int) -> None:
         """rollout.max_staleness = k: the rollout replicas start the next k steps' rollouts now, on the weights
