@@ -95,7 +95,8 @@ def _select(value, idx: torch.Tensor, ids: list[int]):
     if isinstance(value, TokenBatch):
         return value.select(idx)
     if isinstance(value, torch.Tensor):
-        return value[idx.to(value.device)]
+        # to an accelerator without waiting for its queue (the index is staged at once); to the host it must land
+        return value[idx.to(value.device, non_blocking=value.device.type != "cpu")]
     if isinstance(value, dict):
         return {k: _select(v, idx, ids) for k, v in value.items()}
     if isinstance(value, list | tuple):

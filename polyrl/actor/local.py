@@ -391,9 +391,10 @@ class LocalActor:
         """
         self.generator = generator
         # one copy to the device per update, not one per micro-batch and step: the conditioning alone is
-        # ~100 MB per SD3 micro-batch, and every host-to-device copy from pageable memory stalls the GPU queue
+        # ~100 MB per SD3 micro-batch (queued without waiting: Rollout.to); the sizes are host numbers, so that
+        # nothing here waits for the copy
         batch = algo.prepare(batch).to(self.adapter.device)
-        sizes = [int(n) for n in self.engine.gather(torch.tensor([len(batch)], device=self.engine.device)).tolist()]
+        sizes = [int(n) for n in self.engine.gather_objects(len(batch))]
         b, offset = sum(sizes), sum(sizes[: self.engine.dp_rank])
         self._sizes = sizes
         if b == 0:  # e.g. online DPO when every group's rewards are equal: nothing to learn from
