@@ -38,6 +38,17 @@ def prompt_text(prompt: Prompt) -> str:
     return prompt if isinstance(prompt, str) else prompt["text"]
 
 
+def image_latent_grid(family: str, shape: MediaShape, downsample: int, multiple: int) -> tuple[int, int]:
+    """(h, w) of an image model's latents: the pixel sizes over the VAE's `downsample`, which must be multiples of
+    `multiple` (the VAE's factor × the transformer's patch or packing)."""
+    if shape.is_video:
+        raise ValueError(f"{family} generates images; rollout.num_frames={shape.frames} must be 0")
+    if shape.height % multiple or shape.width % multiple:
+        raise ValueError(f"rollout.height/width must be multiples of {multiple} for {family}, got "
+                         f"{shape.height}x{shape.width}")
+    return shape.height // downsample, shape.width // downsample
+
+
 def text_only(prompts: list[Prompt], family: str) -> list[str]:
     """The prompts' texts; a prompt with condition media is an error for a text-only model."""
     for p in prompts:

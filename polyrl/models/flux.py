@@ -29,14 +29,13 @@ True CFG is then part of the model's velocity everywhere: the `guidance=1.0` cal
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..latents import Latents, MediaShape
-from .base import Cond, Guidance, Media, Prompt, register_model, text_only
+from .base import Cond, Guidance, Media, Prompt, image_latent_grid, register_model, text_only
 from .condition_images import condition_paths, load_rgb
 from .diffusers_base import DiffusersPolicy, frozen
-from .qwen_image import dynamic_shift_mu, pack_latents, unpack_latents
+from .qwen_image import pack_latents, shifted_sigmas, unpack_latents
 
 # flow_grpo's FLUX LoRA targets (scripts/train_flux.py): attention q/k/v/out of both streams (q/k/v also match the
 # single-stream blocks' attention) and both streams' feed-forward layers; Kontext adds the single-stream MLP input
@@ -170,26 +169,15 @@ class FluxPolicy(DiffusersPolicy):
         return self._negatives[text]
 
     # ------------------------------------------------------------------------------------------- diffusion
-    def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
-        f = self.vae_scale_factor * 2  # VAE downsampling × 2×2 packing
-        if height % f or width % f:
-            raise ValueError(f"rollout.height/width must be multiples of {f} for {self.family}, got {height}x{width}")
-        return height // self.vae_scale_factor, width // self.vae_scale_factor
-
     def latent_shapes(self, shape: MediaShape) -> dict[str, tuple[int, ...]]:
-        if shape.is_video:
-            raise ValueError(f"{self.family} generates images; rollout.num_frames={shape.frames} must be 0")
-        return {"x": (self.transformer.config.in_channels // 4, *self._latent_grid(shape.height, shape.width))}
+        f = self.vae_scale_factor  # × the 2×2 packing for the size check
+        return {"x": (self.transformer.config.in_channels // 4, *image_latent_grid(self.family, shape, f, 2 * f))}
 
     def sigmas(self, num_steps: int, shape: MediaShape) -> torch.Tensor:
         """The pipeline's grid for this image size: μ from the noise-token count (ignored by a scheduler without
         dynamic shifting, e.g. schnell's)."""
-        h, w = self._latent_grid(shape.height, shape.width)
-        c = self.scheduler.config
-        mu = dynamic_shift_mu((h // 2) * (w // 2), c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                              c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-        self.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps), mu=mu)
-        return self.scheduler.sigmas.float().cpu()
+        _, h, w = self.latent_shapes(shape)["x"]
+        return shifted_sigmas(self.scheduler, num_steps, (h // 2) * (w // 2))
 
     def _condition_tokens(self, cond: Cond) -> torch.Tensor:
         """Per-sample condition tokens of the batch (B,); none for FLUX.1."""

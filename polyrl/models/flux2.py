@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..latents import Latents, MediaShape
-from .base import Cond, Guidance, Media, Prompt, register_model, text_only
+from .base import Cond, Guidance, Media, Prompt, image_latent_grid, register_model, text_only
 from .diffusers_base import DiffusersPolicy, frozen, load_model_index
 
 # Flow-Factory's FLUX.2 LoRA targets (models/flux/flux2_klein.py `default_target_modules`): both streams' attention
@@ -195,13 +195,8 @@ class Flux2Policy(DiffusersPolicy):
 
     # ------------------------------------------------------------------------------------------- diffusion
     def latent_shapes(self, shape: MediaShape) -> dict[str, tuple[int, ...]]:
-        if shape.is_video:
-            raise ValueError(f"{self.family} generates images; rollout.num_frames={shape.frames} must be 0")
-        f = self.vae_scale_factor * 2  # VAE downsampling × 2×2 patchify
-        if shape.height % f or shape.width % f:
-            raise ValueError(f"rollout.height/width must be multiples of {f} for {self.family}, got "
-                             f"{shape.height}x{shape.width}")
-        return {"x": (self.transformer.config.in_channels, shape.height // f, shape.width // f)}
+        f = self.vae_scale_factor * 2  # VAE downsampling × 2×2 patchify (the latents are patchified)
+        return {"x": (self.transformer.config.in_channels, *image_latent_grid(self.family, shape, f, f))}
 
     def sigmas(self, num_steps: int, shape: MediaShape) -> torch.Tensor:
         """The pipeline's grid: μ from the token count and the step count."""

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from ..errors import UserError
 from ..latents import Latents, MediaShape
-from .base import Cond, Guidance, Media, Prompt, register_model, text_only
+from .base import Cond, Guidance, Media, Prompt, image_latent_grid, register_model, text_only
 from .diffusers_base import DiffusersPolicy, frozen
 from .qwen_image import pad_text
 
@@ -258,14 +258,9 @@ class HunyuanImagePolicy(DiffusersPolicy):
 
     # ------------------------------------------------------------------------------------------- diffusion
     def latent_shapes(self, shape: MediaShape) -> dict[str, tuple[int, ...]]:
-        if shape.is_video:
-            raise ValueError(f"{self.family} generates images; rollout.num_frames={shape.frames} must be 0")
-        f = self.spatial_factor * int(self.transformer.config.patch_size[0])
-        if shape.height % f or shape.width % f:
-            raise ValueError(f"rollout.height/width must be multiples of {f} for {self.family}, got "
-                             f"{shape.height}x{shape.width}")
-        return {"x": (self.transformer.config.in_channels, shape.height // self.spatial_factor,
-                      shape.width // self.spatial_factor)}
+        f = self.spatial_factor  # × the transformer's patch for the size check
+        multiple = f * int(self.transformer.config.patch_size[0])
+        return {"x": (self.transformer.config.in_channels, *image_latent_grid(self.family, shape, f, multiple))}
 
     def sigmas(self, num_steps: int, shape: MediaShape) -> torch.Tensor:
         """The pipeline's grid, remembered for MeanFlow's next σ and the guider's step index."""

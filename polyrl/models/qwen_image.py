@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..latents import Latents, MediaShape
-from .base import Cond, Media, Prompt, register_model, text_only
+from .base import Cond, Media, Prompt, image_latent_grid, register_model, text_only
 from .diffusers_base import DiffusersPolicy, frozen
 
 # The template Qwen-Image was trained with, and the number of its leading tokens that are dropped (the system
@@ -98,6 +98,17 @@ def dynamic_shift_mu(image_seq_len: int, base_seq_len: int, max_seq_len: int, ba
     return base_shift + slope * (image_seq_len - base_seq_len)
 
 
+def shifted_sigmas(scheduler, num_steps: int, image_tokens: int) -> torch.Tensor:
+    """The grid of the pipelines whose shift depends on the image size (Qwen-Image, FLUX.1, Z-Image): σ from 1 to
+    1/N, shifted by μ = `dynamic_shift_mu` of the image token count with the scheduler's config (a scheduler without
+    dynamic shifting ignores μ), then the final 0."""
+    c = scheduler.config
+    mu = dynamic_shift_mu(image_tokens, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                          c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps), mu=mu)
+    return scheduler.sigmas.float().cpu()
+
+
 def pad_text(embeds: list[torch.Tensor], length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad (L_i, D) token embeddings with zeros to a common length: (B, L, D) and a bool mask (B, L)."""
     length = max(e.shape[0] for e in embeds) if length is None else length
@@ -152,25 +163,14 @@ class QwenImagePolicy(DiffusersPolicy):
         return {"prompt_embeds": embeds, "prompt_mask": mask}
 
     # ------------------------------------------------------------------------------------------- diffusion
-    def _latent_grid(self, height: int, width: int) -> tuple[int, int]:
-        f = self.vae_scale_factor * 2  # VAE downsampling × 2×2 packing
-        if height % f or width % f:
-            raise ValueError(f"rollout.height/width must be multiples of {f} for Qwen-Image, got {height}x{width}")
-        return height // self.vae_scale_factor, width // self.vae_scale_factor
-
     def latent_shapes(self, shape: MediaShape) -> dict[str, tuple[int, ...]]:
-        if shape.is_video:
-            raise ValueError(f"Qwen-Image generates images; rollout.num_frames={shape.frames} must be 0")
-        return {"x": (self.transformer.config.out_channels, *self._latent_grid(shape.height, shape.width))}
+        f = self.vae_scale_factor  # × the 2×2 packing for the size check
+        return {"x": (self.transformer.config.out_channels, *image_latent_grid(self.family, shape, f, 2 * f))}
 
     def sigmas(self, num_steps: int, shape: MediaShape) -> torch.Tensor:
         """The grid the pipeline samples this image size with (the shift depends on the image size)."""
-        h, w = self._latent_grid(shape.height, shape.width)
-        c = self.scheduler.config
-        mu = dynamic_shift_mu((h // 2) * (w // 2), c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                              c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-        self.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps), mu=mu)
-        return self.scheduler.sigmas.float().cpu()
+        _, h, w = self.latent_shapes(shape)["x"]
+        return shifted_sigmas(self.scheduler, num_steps, (h // 2) * (w // 2))
 
     def forward_flops(self, latents: Latents, cond: Cond) -> float:
         h, w = latents["x"].shape[-2:]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..latents import Latents, MediaShape
-from .base import Cond, Media, Prompt, register_model, text_only
+from .base import Cond, Media, Prompt, image_latent_grid, register_model, text_only
 from .diffusers_base import DiffusersPolicy, frozen
 from .shared_input_lora import shared_input_projections
 
@@ -186,11 +186,7 @@ class SD3Policy(DiffusersPolicy):
     # ------------------------------------------------------------------------------------------- diffusion
     def latent_shapes(self, shape: MediaShape) -> dict[str, tuple[int, ...]]:
         f, p = self.vae_scale_factor, self.transformer.config.patch_size
-        if shape.is_video:
-            raise ValueError(f"SD3 generates images; rollout.num_frames={shape.frames} must be 0")
-        if shape.height % (f * p) or shape.width % (f * p):
-            raise ValueError(f"rollout.height/width must be multiples of {f * p}")
-        return {"x": (self.transformer.config.in_channels, shape.height // f, shape.width // f)}
+        return {"x": (self.transformer.config.in_channels, *image_latent_grid(self.family, shape, f, f * p))}
 
     def sigmas(self, num_steps: int, shape: MediaShape | None = None) -> torch.Tensor:
         # SD3's shift does not depend on the image size

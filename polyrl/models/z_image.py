@@ -29,14 +29,13 @@ truncation are functions of (x, σ), so the rollout and training compute the sam
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..errors import UserError
 from ..latents import Latents, MediaShape
-from .base import Cond, Media, Prompt, register_model, text_only
+from .base import Cond, Media, Prompt, image_latent_grid, register_model, text_only
 from .diffusers_base import DiffusersPolicy, frozen
-from .qwen_image import dynamic_shift_mu, pad_text, repad
+from .qwen_image import pad_text, repad, shifted_sigmas
 
 # Flow-Factory's Z-Image LoRA targets (models/z_image/z_image.py `default_target_modules`): attention q/k/v/out and
 # the SwiGLU feed-forward of every block (the main layers and both refiners).
@@ -165,23 +164,13 @@ class ZImagePolicy(DiffusersPolicy):
 
     # ------------------------------------------------------------------------------------------- diffusion
     def latent_shapes(self, shape: MediaShape) -> dict[str, tuple[int, ...]]:
-        if shape.is_video:
-            raise ValueError(f"{self.family} generates images; rollout.num_frames={shape.frames} must be 0")
-        f = self.vae_scale_factor * 2  # VAE downsampling × the transformer's 2×2 patches
-        if shape.height % f or shape.width % f:
-            raise ValueError(f"rollout.height/width must be multiples of {f} for {self.family}, got "
-                             f"{shape.height}x{shape.width}")
-        return {"x": (self.transformer.config.in_channels, shape.height // self.vae_scale_factor,
-                      shape.width // self.vae_scale_factor)}
+        f = self.vae_scale_factor  # × the transformer's 2×2 patches for the size check
+        return {"x": (self.transformer.config.in_channels, *image_latent_grid(self.family, shape, f, 2 * f))}
 
     def sigmas(self, num_steps: int, shape: MediaShape) -> torch.Tensor:
         """The pipeline's grid: μ from the image token count (used when the scheduler shifts dynamically)."""
         _, h, w = self.latent_shapes(shape)["x"]
-        c = self.scheduler.config
-        mu = dynamic_shift_mu((h // 2) * (w // 2), c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                              c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-        self.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps), mu=mu)
-        return self.scheduler.sigmas.float().cpu()
+        return shifted_sigmas(self.scheduler, num_steps, (h // 2) * (w // 2))
 
     def forward_flops(self, latents: Latents, cond: Cond) -> float:
         """The mean over the batch's samples (their caption lengths may differ; the batch padding is not counted)."""

@@ -36,7 +36,7 @@ import torch
 
 from ...errors import UserError
 from ...latents import Latents, MediaShape
-from ..base import Cond, Guidance, Media, Prompt, register_model, text_only
+from ..base import Cond, Guidance, Media, Prompt, image_latent_grid, register_model, text_only
 from ..diffusers_base import DTYPES, DiffusersPolicy, frozen
 
 # verl-omni's BAGEL LoRA targets (examples/flowgrpo_trainer/bagel/run_bagel_*_lora.sh): the generation expert's
@@ -322,21 +322,14 @@ class BagelPolicy(DiffusersPolicy):
                 "text_mask": torch.zeros(1, 0, dtype=torch.bool, device=self.device)}
 
     # ------------------------------------------------------------------------------------------- diffusion
-    def _latent_grid(self, shape: MediaShape) -> tuple[int, int]:
-        if shape.is_video:
-            raise ValueError(f"BAGEL generates images; rollout.num_frames={shape.frames} must be 0")
+    def latent_shapes(self, shape: MediaShape) -> dict[str, tuple[int, ...]]:
         f = self.latent_downsample
-        if shape.height % f or shape.width % f:
-            raise ValueError(f"rollout.height/width must be multiples of {f} for BAGEL, got {shape.height}x{shape.width}")
+        grid = image_latent_grid("BAGEL", shape, self.vae.geometry.downsample, f)
         side = self.transformer.config.max_latent_size
         if max(shape.height, shape.width) > side * f:
             raise ValueError(f"rollout.height/width must be at most {side * f} for this BAGEL checkpoint (its "
                              f"latent_pos_embed covers {side}x{side} patches), got {shape.height}x{shape.width}")
-        d = self.vae.geometry.downsample
-        return shape.height // d, shape.width // d
-
-    def latent_shapes(self, shape: MediaShape) -> dict[str, tuple[int, ...]]:
-        return {"x": (self.vae.geometry.z_channels, *self._latent_grid(shape))}
+        return {"x": (self.vae.geometry.z_channels, *grid)}
 
     def sigmas(self, num_steps: int, shape: MediaShape) -> torch.Tensor:
         return bagel_sigmas(num_steps, self.shift)
