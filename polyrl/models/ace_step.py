@@ -152,10 +152,6 @@ class AceStepPolicy(DiffusersPolicy):
 
         return AceStepConditionEncoder.from_pretrained(str(self.root / name), torch_dtype=dtype)
 
-    @property
-    def transformer(self) -> torch.nn.Module:
-        return self.networks["transformer"]
-
     # ------------------------------------------------------------------------------------------- prompts
     def format_prompt(self, text: str) -> tuple[str, str]:
         """(caption in the SFT template, lyrics in their template), as `AceStepPipeline._format_prompt` for text2music."""

@@ -82,6 +82,11 @@ class DiffusersPolicy:
     def modules(self) -> dict[str, torch.nn.Module]:
         return self.networks
 
+    @property
+    def transformer(self) -> torch.nn.Module:
+        """The denoising network (every diffusers layout names it `transformer`)."""
+        return self.networks["transformer"]
+
     # ------------------------------------------------------------------------------------------- prompts
     def _encode_one(self, prompt: Prompt) -> Cond:
         """One prompt's conditioning, each tensor without a batch dimension."""

@@ -131,10 +131,6 @@ class FluxPolicy(DiffusersPolicy):
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
 
     @property
-    def transformer(self) -> torch.nn.Module:
-        return self.networks["transformer"]
-
-    @property
     def guidance_embeds(self) -> bool:
         return bool(self.transformer.config.guidance_embeds)
 

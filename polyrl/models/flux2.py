@@ -148,10 +148,6 @@ class Flux2Policy(DiffusersPolicy):
         self._bn_std = torch.sqrt(bn.running_var.float().view(1, -1, 1, 1) + self.vae.config.batch_norm_eps)
 
     @property
-    def transformer(self) -> torch.nn.Module:
-        return self.networks["transformer"]
-
-    @property
     def guidance_embeds(self) -> bool:
         return bool(self.transformer.config.guidance_embeds)
 

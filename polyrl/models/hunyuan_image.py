@@ -201,10 +201,6 @@ class HunyuanImagePolicy(DiffusersPolicy):
         return settings if settings["enabled"] else None
 
     @property
-    def transformer(self) -> torch.nn.Module:
-        return self.networks["transformer"]
-
-    @property
     def guidance_embeds(self) -> bool:
         return bool(self.transformer.config.guidance_embeds)
 

@@ -328,10 +328,6 @@ class LTX2Policy(DiffusersPolicy):
                             "(perturbed_attn=false, the LTX-2.0 layout), so STG's forward equals the conditional one "
                             "and changes nothing; set stg_scale=0")
 
-    @property
-    def transformer(self) -> torch.nn.Module:
-        return self.networks["transformer"]
-
     def stream_guidance(self, scale: float) -> dict[str, StreamGuidance]:
         """Per-stream scales for a rollout guidance scale (the video CFG scale)."""
         video = StreamGuidance(float(scale), float(self.opts["stg_scale"]), float(self.opts["modality_scale"]),

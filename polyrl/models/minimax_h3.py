@@ -132,10 +132,6 @@ class MiniMaxH3Policy(DiffusersPolicy):
         self.audio_channels = int(pipe.audio_channels)
         self.sample_rate = int(pipe.audio_sampling_rate)
 
-    @property
-    def transformer(self) -> torch.nn.Module:
-        return self.networks["transformer"]
-
     # ------------------------------------------------------------------------------------------- prompts
     def _request(self, prompt: Prompt) -> dict:
         """The pipeline call arguments of one prompt in this mode."""

@@ -140,10 +140,6 @@ class QwenImagePolicy(DiffusersPolicy):
         self.max_sequence_length = int(cfg.max_sequence_length)
         self.vae_scale_factor = 2 ** len(self.vae.config.temperal_downsample)
 
-    @property
-    def transformer(self) -> torch.nn.Module:
-        return self.networks["transformer"]
-
     # ------------------------------------------------------------------------------------------- prompts
     def _encode_one(self, prompt: Prompt) -> Cond:
         """The valid-token embeddings (L, D) float32 of one prompt (padding happens per batch, in `_collate`)."""

@@ -172,10 +172,6 @@ class SD3Policy(DiffusersPolicy):
         self.max_sequence_length = int(cfg.max_sequence_length)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
 
-    @property
-    def transformer(self) -> torch.nn.Module:
-        return self.networks["transformer"]
-
     # ------------------------------------------------------------------------------------------- prompts
     def _encode_one(self, prompt: Prompt) -> Cond:
         (text,) = text_only([prompt], self.family)

@@ -218,10 +218,6 @@ class StableAudioOpenPolicy(DiffusersPolicy):
 
         return StableAudioProjectionModel.from_pretrained(str(self.root / name), torch_dtype=dtype)
 
-    @property
-    def transformer(self) -> torch.nn.Module:
-        return self.networks["transformer"]
-
     # ------------------------------------------------------------------------------------------- prompts
     def _encode_one(self, prompt: Prompt) -> Cond:
         (text,) = text_only([prompt], self.family)

@@ -119,10 +119,6 @@ class StableAudio3Policy(DiffusersPolicy):
 
         return StableAudio3DurationEmbedder.from_pretrained(str(self.root / name), torch_dtype=dtype)
 
-    @property
-    def transformer(self) -> torch.nn.Module:
-        return self.networks["transformer"]
-
     # ------------------------------------------------------------------------------------------- prompts
     def _encode_one(self, prompt: Prompt) -> Cond:
         (text,) = text_only([prompt], self.family)

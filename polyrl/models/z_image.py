@@ -138,10 +138,6 @@ class ZImagePolicy(DiffusersPolicy):
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.num_train_timesteps = int(self.scheduler.config.get("num_train_timesteps", 1000))
 
-    @property
-    def transformer(self) -> torch.nn.Module:
-        return self.networks["transformer"]
-
     # ------------------------------------------------------------------------------------------- prompts
     def _encode_one(self, prompt: Prompt) -> Cond:
         """The valid tokens' second-to-last hidden states (L, D) float32 (padding happens per batch)."""

@@ -291,10 +291,6 @@ class BagelPolicy(DiffusersPolicy):
         self.networks["transformer"] = generator.to(device)
 
     @property
-    def transformer(self) -> torch.nn.Module:
-        return self.networks["transformer"]
-
-    @property
     def latent_downsample(self) -> int:
         return self.vae.geometry.downsample * self.patch
 
