@@ -65,11 +65,17 @@ def _check_row(row, base: Path) -> tuple[dict | None, str | None]:
 def load_pairs(path: str | Path) -> list[dict]:
     """Rows {prompt, chosen, rejected (absolute paths), line, ...metadata}; ValueError listing every bad row."""
     path = Path(path)
+    return checked_rows(path, lambda row: _check_row(row, path.parent))
+
+
+def checked_rows(path: Path, check) -> list[dict]:
+    """The rows of pairs file `path` that `check(row) -> (row, None) | (None, error)` accepts, each with its
+    `line`; a ValueError listing every bad row (the first 20) when any is bad, or when none is left."""
     if not path.is_file():
         raise FileNotFoundError(f"data.pairs_path={str(path)!r} does not exist")
     good, bad = [], []
     for n, row in _read_rows(path):
-        checked, error = _check_row(row, path.parent)
+        checked, error = check(row)
         if error:
             bad.append(f"line {n}: {error}")
         else:

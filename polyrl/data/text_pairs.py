@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .pairs import PAIR_FIELDS, _read_rows
+from .pairs import PAIR_FIELDS, checked_rows
 
 
 def _check_row(row) -> tuple[dict | None, str | None]:
@@ -28,19 +28,4 @@ def _check_row(row) -> tuple[dict | None, str | None]:
 
 def load_text_pairs(path: str | Path) -> list[dict]:
     """Rows {prompt, chosen, rejected, line, ...metadata}; ValueError listing every bad row."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data.pairs_path={str(path)!r} does not exist")
-    good, bad = [], []
-    for n, row in _read_rows(path):
-        checked, error = _check_row(row)
-        if error:
-            bad.append(f"line {n}: {error}")
-        else:
-            good.append({**checked, "line": n})
-    if bad:
-        shown = "\n  ".join(bad[:20]) + (f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else "")
-        raise ValueError(f"{path}: {len(bad)} bad pair row(s):\n  {shown}")
-    if not good:
-        raise ValueError(f"{path}: no pairs")
-    return good
+    return checked_rows(Path(path), _check_row)
