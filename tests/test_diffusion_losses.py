@@ -370,3 +370,4 @@ def test_training_graph_with_unequal_call_sizes_warns(tmp_path, capsys):
     assert ("polyrl: warning: rollout.training_graph=true runs training's graph, but rollout.batch_size=8 against 4 "
             "samples per training micro-batch") in warnings(8)
     assert "rollout.training_graph" not in warnings(4)
+

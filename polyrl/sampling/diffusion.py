@@ -22,6 +22,7 @@ from ..latents import Latents, MediaShape, cat_latents, map_latents, stack_laten
 from ..media import Audio, cat_media, cpu_media
 from ..models.base import Cond, DiffusionPolicy, Guidance, Prompt, stream_sigma_1, stream_sigmas
 from ..perf.profile import region
+from ..perf.transfer import host_copy, to_host
 from .steps import STEPS, step_latents
 
 WINDOW_STRATEGIES = ("per_sample", "random", "progressive")
@@ -144,13 +145,8 @@ def decode_chunk(adapter: DiffusionPolicy, final: Latents,
     start.record()
     decoded = adapter.decode(complete())
     end.record()
-    host = {}
-    for k, v in decoded.items():
-        tensor = v.waveform if isinstance(v, Audio) else v
-        host[k] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host[k].copy_(tensor, non_blocking=True)
-        if isinstance(v, Audio):
-            host[k] = Audio(host[k], v.sample_rate)
+    host = {k: Audio(host_copy(v.waveform, True), v.sample_rate) if isinstance(v, Audio) else host_copy(v, True)
+            for k, v in decoded.items()}
     copied = torch.cuda.Event()
     copied.record()
 
@@ -258,12 +254,6 @@ def _copy_rows(dst, src, rows: slice, pinned: bool) -> None:
     tree_map_(lambda d, s: d[rows].copy_(s, non_blocking=pinned), dst, src)
 
 
-def _to_host(value: Cond, pinned: bool) -> Cond:
-    out = _host_like(value, pinned)
-    _copy_rows(out, value, slice(None), pinned)
-    return out
-
-
 def _queued_work_done(device: torch.device) -> Callable[[], float]:
     """A `ready()` that waits for the work queued on `device` so far (an event recorded now; nothing on a CPU)."""
     if device.type != "cuda":
@@ -291,7 +281,7 @@ def rollout(
     # stream), so the next chunk is launched while the device still samples this one. The host reads nothing
     # before `ready()`: the reward stage calls it per chunk, and this function for all chunks before it returns.
     pinned = adapter.device.type == "cuda"
-    host_cond, host_shared = _to_host(cond, pinned), _to_host(shared, pinned)
+    host_cond, host_shared = to_host(cond, pinned), to_host(shared, pinned)
     host, chunks = None, []
     for i in range(0, b, plan.batch_size):
         sl = slice(i, min(b, i + plan.batch_size))

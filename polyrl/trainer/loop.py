@@ -47,6 +47,7 @@ from ..models.base import Guidance, policy_kind
 from ..perf.compile import compile_cache_path, compile_transformer, load_compile_cache, save_compile_cache
 from ..perf.fp8 import apply_fp8, resolve_fp8
 from ..perf.timer import StageTimer
+from ..perf.transfer import host_copy
 from ..rewards import build_reward
 from ..rewards.stage import RewardStage, RewardUnavailable, merge_extras, score_batch
 from ..sampling.diffusion import SamplingPlan, draw_noise, rollout
@@ -227,11 +228,7 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of `tensor` on the CPU; a plain CUDA tensor goes to pinned memory without waiting for the device (the
     caller records an event after the copies). A sharded (DTensor) parameter is copied as it is."""
     tensor = tensor.detach()
-    if tensor.device.type != "cuda" or type(tensor) is not torch.Tensor:
-        return tensor.to("cpu", copy=True)
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return host
+    return host_copy(tensor, pinned=tensor.device.type == "cuda" and type(tensor) is torch.Tensor)
 
 
 def _to_cpu(obj):
