@@ -197,18 +197,16 @@ def qwen_image_bench_spec(words: list[str]) -> TinyQwenImageSpec:
     )
 
 
-def qwen_template_tokenizer(words: list[str], max_length: int) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer for the Qwen-Image prompt template: chat-markup specials, newlines as tokens (so the
-    template's system + user header is 34 tokens, as with the real Qwen2 tokenizer), words and punctuation."""
-    from .qwen_image import PROMPT_TEMPLATE
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+def _word_level_tokenizer(words: list[str], specials: list[str], pattern: str, template: str,
+                          max_length: int) -> PreTrainedTokenizerFast:
+    """Lower-cased word-level tokenizer: ids for `specials`, the newline, then every word of `words` and of
+    `template` (its specials left out), split by regex `pattern`; pads with "<|endoftext|>" on the right."""
     vocab = {tok: i for i, tok in enumerate(specials)}
     vocab["\n"] = len(vocab)
-    split = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]+|\n"), behavior="removed", invert=True)
-    template_words = split.pre_tokenize_str(PROMPT_TEMPLATE.replace("{}", " ").replace("<|im_start|>", " ")
-                                            .replace("<|im_end|>", " "))
-    for w in sorted({w.lower() for w in words} | {w.lower() for w, _ in template_words}):
+    split = pre_tokenizers.Split(Regex(pattern), behavior="removed", invert=True)
+    for s in specials:
+        template = template.replace(s, " ")
+    for w in sorted({w.lower() for w in words} | {w.lower() for w, _ in split.pre_tokenize_str(template)}):
         vocab.setdefault(w, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
@@ -216,6 +214,15 @@ def qwen_template_tokenizer(words: list[str], max_length: int) -> PreTrainedToke
     tok.add_special_tokens(specials)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", unk_token="<unk>",
                                    model_max_length=max_length, padding_side="right")
+
+
+def qwen_template_tokenizer(words: list[str], max_length: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer for the Qwen-Image prompt template: chat-markup specials, newlines as tokens (so the
+    template's system + user header is 34 tokens, as with the real Qwen2 tokenizer), words and punctuation."""
+    from .qwen_image import PROMPT_TEMPLATE
+
+    return _word_level_tokenizer(words, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"], r"\w+|[^\w\s]+|\n",
+                                 PROMPT_TEMPLATE.replace("{}", " "), max_length)
 
 
 def build_tiny_qwen_image(spec: TinyQwenImageSpec, seed: int = 0, device: str | torch.device = "cpu",
@@ -466,21 +473,9 @@ def qwen_vl_template_tokenizer(words: list[str], max_length: int) -> PreTrainedT
     Qwen2 tokenizer; vocabulary: `words`, both Edit templates' words, "picture" and the digits."""
     from .qwen_image_edit import EDIT_TEMPLATE, PLUS_PICTURE
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", *QWEN_VL_SPECIALS]
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    vocab["\n"] = len(vocab)
-    split = pre_tokenizers.Split(Regex(r"'s|'t|'re|'ve|'m|'ll|'d|\w+|[^\w\s]+|\n"), behavior="removed", invert=True)
     text = EDIT_TEMPLATE.replace("{}", " ") + PLUS_PICTURE + " " + " ".join(str(i) for i in range(10))
-    for s in specials:
-        text = text.replace(s, " ")
-    for w in sorted({w.lower() for w in words} | {w.lower() for w, _ in split.pre_tokenize_str(text)}):
-        vocab.setdefault(w, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = split
-    tok.add_special_tokens(specials)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", unk_token="<unk>",
-                                   model_max_length=max_length, padding_side="right")
+    return _word_level_tokenizer(words, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", *QWEN_VL_SPECIALS],
+                                 r"'s|'t|'re|'ve|'m|'ll|'d|\w+|[^\w\s]+|\n", text, max_length)
 
 
 def build_tiny_qwen_image_edit(spec: TinyQwenImageEditSpec, seed: int = 0) -> dict:
