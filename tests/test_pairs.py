@@ -52,10 +52,10 @@ def test_bad_rows_are_reported_by_line_number(pair_dir):
         load_pairs(path)
     msg = str(e.value)
     assert "4 bad pair row(s)" in msg
-    assert "line 2: missing or non-string rejected" in msg
+    assert "line 2: missing, empty or non-string rejected" in msg
     assert "line 3: not valid JSON" in msg
     assert f"line 4: rejected image not found: {pair_dir / 'img' / 'nope.png'}" in msg
-    assert "line 5: missing or non-string prompt" in msg
+    assert "line 5: missing, empty or non-string prompt" in msg
     assert "line 1" not in msg
 
 

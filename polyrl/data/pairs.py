@@ -44,15 +44,23 @@ def _read_rows(path: Path) -> list[tuple[int, object]]:
     raise ValueError(f"data.pairs_path={str(path)!r}: use a .jsonl or .parquet file with fields {', '.join(PAIR_FIELDS)}")
 
 
-def _check_row(row, base: Path) -> tuple[dict | None, str | None]:
+def pair_fields(row) -> tuple[dict | None, str | None]:
+    """(a copy of `row`, None) when it is an object whose prompt, chosen and rejected are non-empty strings, else
+    (None, what is wrong); a row that did not parse arrives as its exception."""
     if isinstance(row, Exception):
         return None, str(row)
     if not isinstance(row, dict):
         return None, "not an object with fields prompt, chosen, rejected"
     missing = [f for f in PAIR_FIELDS if not isinstance(row.get(f), str) or not row.get(f).strip()]
     if missing:
-        return None, f"missing or non-string {', '.join(missing)}"
-    out = dict(row)
+        return None, f"missing, empty or non-string {', '.join(missing)}"
+    return dict(row), None
+
+
+def _check_row(row, base: Path) -> tuple[dict | None, str | None]:
+    out, error = pair_fields(row)
+    if error:
+        return None, error
     for key in ("chosen", "rejected"):
         p = Path(row[key])
         p = p if p.is_absolute() else base / p

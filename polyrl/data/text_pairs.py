@@ -12,20 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .pairs import PAIR_FIELDS, checked_rows
-
-
-def _check_row(row) -> tuple[dict | None, str | None]:
-    if isinstance(row, Exception):
-        return None, str(row)
-    if not isinstance(row, dict):
-        return None, "not an object with fields prompt, chosen, rejected"
-    missing = [f for f in PAIR_FIELDS if not isinstance(row.get(f), str) or not row.get(f).strip()]
-    if missing:
-        return None, f"missing, empty or non-string {', '.join(missing)}"
-    return dict(row), None
+from .pairs import checked_rows, pair_fields
 
 
 def load_text_pairs(path: str | Path) -> list[dict]:
     """Rows {prompt, chosen, rejected, line, ...metadata}; ValueError listing every bad row."""
-    return checked_rows(Path(path), _check_row)
+    return checked_rows(Path(path), pair_fields)
