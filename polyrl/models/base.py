@@ -49,6 +49,25 @@ def image_latent_grid(family: str, shape: MediaShape, downsample: int, multiple:
     return shape.height // downsample, shape.width // downsample
 
 
+def video_latent_grid(family: str, shape: MediaShape, temporal: int, spatial: int,
+                      patch: tuple[int, int] = (1, 1)) -> tuple[int, int, int]:
+    """(frames, h, w) of a causal video VAE's latents: `temporal`·k + 1 frames make k + 1 latent frames (the first
+    frame alone, then `temporal` per latent frame); the pixel sizes over `spatial`, which must be multiples of
+    `spatial` × the transformer's (height, width) patch."""
+    t, s = temporal, spatial
+    if not shape.is_video:
+        raise ValueError(f"{family} generates video: rollout.num_frames must be a positive {t}k+1 (1, {t + 1}, "
+                         f"{2 * t + 1}, ...), got {shape.frames}")
+    if (shape.frames - 1) % t:
+        below = (shape.frames - 1) // t * t + 1
+        raise ValueError(f"rollout.num_frames={shape.frames} must be {t}k+1 for the {family} VAE's {t}x temporal "
+                         f"compression (e.g. {below} or {below + t})")
+    for name, size, p in (("height", shape.height, patch[0]), ("width", shape.width, patch[1])):
+        if size % (s * p):
+            raise ValueError(f"rollout.{name}={size} must be a multiple of {s * p} (VAE {s}x, patch {p})")
+    return (shape.frames - 1) // t + 1, shape.height // s, shape.width // s
+
+
 def text_only(prompts: list[Prompt], family: str) -> list[str]:
     """The prompts' texts; a prompt with condition media is an error for a text-only model."""
     for p in prompts:

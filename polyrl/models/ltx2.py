@@ -46,7 +46,7 @@ import torch
 from ..errors import UserError
 from ..latents import Latents, MediaShape
 from ..media import Audio
-from .base import Cond, Guidance, Media, Prompt, register_model, text_only
+from .base import Cond, Guidance, Media, Prompt, register_model, text_only, video_latent_grid
 from .diffusers_base import DiffusersPolicy, frozen, load_component
 
 # verl-omni's LTX-2.3 LoRA targets (examples/flowgrpo_trainer/ltx2/run_ltx2_3_t2av_lora.sh, the same list as
@@ -361,22 +361,12 @@ class LTX2Policy(DiffusersPolicy):
         return round(shape.frames / shape.fps * self.audio_latents_per_second)
 
     def latent_shapes(self, shape: MediaShape) -> dict[str, tuple[int, ...]]:
-        t, s = self.temporal_factor, self.spatial_factor
         c = self.transformer.config
-        if not shape.is_video:
-            raise ValueError(f"LTX-2 generates video with audio: rollout.num_frames must be a positive {t}k+1 "
-                             f"(1, {t + 1}, {2 * t + 1}, ...), got {shape.frames}")
-        if (shape.frames - 1) % t:
-            raise ValueError(f"rollout.num_frames={shape.frames} must be {t}k+1 for the LTX-2 VAE's {t}x temporal "
-                             f"compression (e.g. {(shape.frames - 1) // t * t + 1} or {(shape.frames - 1) // t * t + t + 1})")
-        if shape.height % (s * c.patch_size):
-            raise ValueError(f"rollout.height={shape.height} must be a multiple of {s * c.patch_size} (VAE {s}x)")
-        if shape.width % (s * c.patch_size):
-            raise ValueError(f"rollout.width={shape.width} must be a multiple of {s * c.patch_size} (VAE {s}x)")
+        frames, h, w = video_latent_grid("LTX-2", shape, self.temporal_factor, self.spatial_factor,
+                                         (c.patch_size, c.patch_size))
         if shape.fps != self.frame_rate:
             raise ValueError(f"rollout.fps={shape.fps} differs from model.options.frame_rate={self.frame_rate}, the "
                              "rate LTX-2 conditions its video positions on (the model config sets it to rollout.fps)")
-        frames = (shape.frames - 1) // t + 1
         if frames % c.patch_size_t:
             raise ValueError(f"rollout.num_frames={shape.frames} gives {frames} latent frames, not a multiple of the "
                              f"transformer's temporal patch {c.patch_size_t}")
@@ -384,7 +374,7 @@ class LTX2Policy(DiffusersPolicy):
         if audio < 1:
             raise ValueError(f"rollout.num_frames={shape.frames} at rollout.fps={shape.fps} is too short for one "
                              f"latent audio frame (1/{self.audio_latents_per_second:g} s)")
-        return {"video": (self.vae.config.latent_channels, frames, shape.height // s, shape.width // s),
+        return {"video": (self.vae.config.latent_channels, frames, h, w),
                 "audio": (self.audio_vae.config.latent_channels, audio, self.latent_mel_bins)}
 
     def video_tokens(self, video_shape: tuple[int, ...]) -> int:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..latents import Latents, MediaShape
-from .base import Cond, Media, Prompt, register_model, text_only
+from .base import Cond, Media, Prompt, register_model, text_only, video_latent_grid
 from .diffusers_base import DiffusersPolicy, frozen, load_model_index
 from .options import read_options
 
@@ -185,20 +185,9 @@ class WanPolicy(DiffusersPolicy):
 
     # ------------------------------------------------------------------------------------------- diffusion
     def latent_shapes(self, shape: MediaShape) -> dict[str, tuple[int, ...]]:
-        t, s = self.temporal_factor, self.spatial_factor
         _, ph, pw = self.transformer.config.patch_size
-        if not shape.is_video:
-            raise ValueError(f"Wan generates video: rollout.num_frames must be a positive {t}k+1 (1, {t + 1}, "
-                             f"{2 * t + 1}, ...), got {shape.frames}")
-        if (shape.frames - 1) % t:
-            raise ValueError(f"rollout.num_frames={shape.frames} must be {t}k+1 for the Wan VAE's {t}x temporal "
-                             f"compression (e.g. {(shape.frames - 1) // t * t + 1} or {(shape.frames - 1) // t * t + t + 1})")
-        if shape.height % (s * ph):
-            raise ValueError(f"rollout.height={shape.height} must be a multiple of {s * ph} (VAE {s}x, patch {ph})")
-        if shape.width % (s * pw):
-            raise ValueError(f"rollout.width={shape.width} must be a multiple of {s * pw} (VAE {s}x, patch {pw})")
-        frames = (shape.frames - 1) // t + 1
-        return {"x": (self.vae.config.z_dim, frames, shape.height // s, shape.width // s)}
+        grid = video_latent_grid("Wan", shape, self.temporal_factor, self.spatial_factor, (ph, pw))
+        return {"x": (self.vae.config.z_dim, *grid)}
 
     def sigmas(self, num_steps: int, shape: MediaShape | None = None) -> torch.Tensor:
         # the shift is the checkpoint's (or model.shift): it does not depend on the video size
