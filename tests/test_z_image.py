@@ -236,7 +236,7 @@ def test_what_it_refuses(z_dirs):
         adapter.encode_prompts([{"text": "a", "images": ["x.png"]}])
     with pytest.raises(ValueError, match="multiples of 4 for Z-Image, got 34x32"):
         adapter.latent_shapes(MediaShape(34, 32))
-    with pytest.raises(UserError, match=r"model.options.cfg_truncation='high' is not a number"):
+    with pytest.raises(UserError, match=r"model.options.cfg_truncation='high' is not valid \(default: 1.0\)"):
         _adapter(z_dirs["static"], cfg_truncation="high")
     with pytest.raises(ConfigError, match=r"unknown key model.options.cfg_scale for model.name=z_image; allowed: "
                                           r"cfg_normalization, cfg_truncation"):

@@ -47,6 +47,7 @@ from ..latents import Latents, MediaShape
 from ..media import Audio
 from .base import Cond, Guidance, Media, Prompt, register_model, text_only
 from .diffusers_base import DiffusersPolicy, frozen
+from .options import read_options
 
 # Self- and cross-attention projections and the SwiGLU feed-forward of every block (diffusers' module names).
 SAO_LORA_TARGETS = [
@@ -152,17 +153,6 @@ def with_peft(network: torch.nn.Module) -> torch.nn.Module:
     return network
 
 
-def read_audio_options(defaults: dict, given: dict) -> dict:
-    """`model.options` over `defaults`: numbers (null where the default is null); a bad value is a UserError."""
-    out = dict(defaults)
-    for key, value in given.items():
-        try:
-            out[key] = None if value is None and defaults[key] is None else float(value)
-        except (TypeError, ValueError):
-            raise UserError(f"model.options.{key}={value!r} is not valid (default: {defaults[key]!r})") from None
-    return out
-
-
 # ----------------------------------------------------------------------------------------------- adapter
 @register_model("stable_audio")
 class StableAudioOpenPolicy(DiffusersPolicy):
@@ -175,7 +165,7 @@ class StableAudioOpenPolicy(DiffusersPolicy):
 
     def __init__(self, cfg, device: torch.device):
         super().__init__(cfg, device, COMPONENTS)
-        self.opts = read_audio_options(self.options, dict(getattr(cfg, "options", None) or {}))
+        self.opts = read_options(self.options, dict(getattr(cfg, "options", None) or {}))
         self.networks["transformer"] = with_peft(self.load("transformer", self.dtype).to(device))
         self.vae = frozen(self.load("vae", torch.float32), device)
         text_dtype = torch.bfloat16 if self.dtype == torch.float16 else self.dtype  # T5 overflows in float16

@@ -32,7 +32,8 @@ from ..latents import Latents, MediaShape
 from ..media import Audio
 from .base import Cond, Media, Prompt, register_model, text_only
 from .diffusers_base import DiffusersPolicy, frozen
-from .stable_audio import read_audio_options, with_peft
+from .options import read_options
+from .stable_audio import with_peft
 
 # Self- and cross-attention projections (fused q/k/v: differential attention) and the SwiGLU feed-forward.
 SA3_LORA_TARGETS = ["self_attn.to_qkv", "self_attn.to_out", "cross_attn.to_q", "cross_attn.to_kv",
@@ -90,7 +91,7 @@ class StableAudio3Policy(DiffusersPolicy):
 
     def __init__(self, cfg, device: torch.device):
         super().__init__(cfg, device, COMPONENTS)
-        self.opts = read_audio_options(self.options, dict(getattr(cfg, "options", None) or {}))
+        self.opts = read_options(self.options, dict(getattr(cfg, "options", None) or {}))
         self.networks["transformer"] = with_peft(self.load("transformer", self.dtype).to(device))
         self.vae = frozen(self.load("vae", torch.float32), device)
         self.text_encoder = frozen(self.load("text_encoder", self.dtype), device)

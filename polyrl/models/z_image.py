@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
 from ..latents import Latents, MediaShape
 from .base import Cond, Media, Prompt, image_latent_grid, register_model, text_only
 from .diffusers_base import DiffusersPolicy, frozen
+from .options import read_options
 from .qwen_image import pad_text, repad, shifted_sigmas
 
 # Flow-Factory's Z-Image LoRA targets (models/z_image/z_image.py `default_target_modules`): attention q/k/v/out and
@@ -104,17 +104,6 @@ def guided_steps(sigma: torch.Tensor, truncation: float, num_train_timesteps: in
     return (num_train_timesteps - t) / num_train_timesteps <= truncation
 
 
-def read_float_options(defaults: dict, given: dict) -> dict:
-    """`model.options` over `defaults`, each a number; a bad value is a UserError naming its key."""
-    out = dict(defaults)
-    for key, value in given.items():
-        try:
-            out[key] = float(value)
-        except (TypeError, ValueError):
-            raise UserError(f"model.options.{key}={value!r} is not a number (default: {defaults[key]!r})") from None
-    return out
-
-
 # ----------------------------------------------------------------------------------------------- adapter
 @register_model("z_image")
 class ZImagePolicy(DiffusersPolicy):
@@ -128,7 +117,7 @@ class ZImagePolicy(DiffusersPolicy):
 
     def __init__(self, cfg, device: torch.device):
         super().__init__(cfg, device, ("transformer", "vae", "scheduler", "text_encoder", "tokenizer"))
-        self.opts = read_float_options(self.options, dict(getattr(cfg, "options", None) or {}))
+        self.opts = read_options(self.options, dict(getattr(cfg, "options", None) or {}))
         self.networks["transformer"] = self.load("transformer", self.dtype).to(device)
         self.vae = frozen(self.load("vae", torch.float32), device)
         self.scheduler = self.load("scheduler")
