@@ -53,6 +53,7 @@ from ..errors import UserError
 from ..latents import Latents, MediaShape
 from .base import Cond, Guidance, Media, Prompt, image_latent_grid, register_model, text_only
 from .diffusers_base import DiffusersPolicy, frozen
+from .options import read_options
 from .qwen_image import pad_text
 
 PROMPT_TEMPLATE = (
@@ -160,7 +161,7 @@ class HunyuanImagePolicy(DiffusersPolicy):
     def __init__(self, cfg, device: torch.device):
         super().__init__(cfg, device, ("transformer", "vae", "scheduler", "text_encoder", "tokenizer",
                                        "text_encoder_2", "tokenizer_2"))
-        self.opts = self._read_options(dict(getattr(cfg, "options", None) or {}))
+        self.opts = read_options(self.options, dict(getattr(cfg, "options", None) or {}))
         self.networks["transformer"] = self.load("transformer", self.dtype).to(device)
         self.vae = frozen(self.load("vae", torch.float32), device)
         self.scheduler = self.load("scheduler")
@@ -174,17 +175,6 @@ class HunyuanImagePolicy(DiffusersPolicy):
             raise UserError(f"{self.root}: a guidance-distilled HunyuanImage (guidance_embeds) with an enabled guider "
                             "component: CFG on top of the guidance embedding is not supported")
         self._grid: torch.Tensor | None = None  # the last `sigmas()` grid: MeanFlow's t_r and the guider's step index
-
-    def _read_options(self, given: dict) -> dict:
-        out = dict(self.options)
-        for key, value in given.items():
-            if key == "apg" and isinstance(value, bool):
-                out[key] = value
-            elif key == "ocr_guidance_scale" and (value is None or isinstance(value, int | float)):
-                out[key] = None if value is None else float(value)
-            else:
-                raise UserError(f"model.options.{key}={value!r} is not valid (default: {self.options[key]!r})")
-        return out
 
     def _guider(self, name: str) -> dict | None:
         """An enabled `AdaptiveProjectedMixGuidance` component's settings (its config over the class defaults), or

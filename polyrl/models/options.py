@@ -7,14 +7,14 @@ from ..errors import UserError
 
 
 def read_options(defaults: dict, given: dict) -> dict:
-    """`model.options` over `defaults`, each value of its default's type (numbers, strings; null where the default is
-    null); a bad value is a UserError naming its key."""
+    """`model.options` over `defaults`, each value of its default's type (numbers, strings, booleans; a number or null
+    where the default is null); a bad value is a UserError naming its key."""
     out = dict(defaults)
     for key, value in given.items():
         default = defaults[key]
         try:
-            if isinstance(default, str):
-                if not isinstance(value, str):
+            if isinstance(default, str | bool):
+                if not isinstance(value, type(default)):
                     raise TypeError
                 out[key] = value
             elif value is None and default is None:
