@@ -2,20 +2,19 @@
 flex_attention (Triton, compiled). Attention is a quarter of a bf16 SD3.5-M epoch's device time at head dim 64, half
 the matmul rate (docs/performance.md, "Where an epoch's time goes"); this says whether another kernel does better.
 Prints, per kernel: forward and forward+backward ms, TFLOP/s (forward 4·B·H·L²·D, backward 2.5× that), and the
-largest difference of its output and input gradients from the cuDNN kernel's (or the math kernel's on a CPU).
+largest difference of its output and input gradients from the first kernel's (cuDNN by default).
 
-    python scripts/attention_bench.py                       # 64 CFG rows x 24 heads x 1229 tokens x 64, bf16, GPU
-    python scripts/attention_bench.py --device cpu --batch 2 --tokens 40 --kernels math,flex   # the logic, on a CPU
+    python scripts/attention_bench.py          # 64 CFG rows x 24 heads x 1229 tokens x 64, bf16
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from gpu_microbench import timed  # scripts/ is on sys.path when a script here runs
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SDPA = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -36,37 +35,15 @@ def kernel(name: str):
     return sdpa
 
 
-def timed(fn, device: torch.device, reps: int = 10, warmup: int = 3) -> float:
-    """Median milliseconds of `fn()`."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            out.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(out)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--heads", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=1229)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--kernels", default="cudnn,flash,efficient,flex")
     args = ap.parse_args()
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = torch.device("cuda"), torch.bfloat16
     b, h, n, d = args.batch, args.heads, args.tokens, args.head_dim
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v, grad = (torch.randn(b, h, n, d, generator=g).to(device, dtype) for _ in range(4))
@@ -93,7 +70,7 @@ def main() -> None:
             out = forward()
             train()
             result = [out.float(), *(t.grad.float() for t in leaves)]
-            f_ms, t_ms = timed(forward, device), timed(train, device)
+            f_ms, t_ms = timed(forward), timed(train)
         except RuntimeError as e:  # a backend that does not take this shape, dtype or GPU
             print(f"{name:10s} unavailable: {str(e).splitlines()[0][:120]}", flush=True)
             continue
