@@ -1,6 +1,7 @@
 """flow_grpo's conventions, selectable by config (docs/algorithms.md §3 "Conventions that change training"), each against
 an independent float64 computation written the way flow_grpo writes it:
-(a) `algorithm.kl_form=flow_grpo`: the KL divided by 2·std_dev_t² with the sde std *without* √(−dt);
+(a) `algorithm.kl_form=flow_grpo`: the KL divided by 2·std_dev_t², the std flow_grpo's step function returns (`sde`:
+    without √(−dt); `cps`: the whole transition std);
 (b) `rollout.log_density=squared_distance`: a step scored with −mean_d (x' − μ)²;
 (c) `algorithm.drop_zero_advantage=true`: samples whose advantage is 0 are not trained on."""
 
@@ -86,7 +87,7 @@ def test_drop_zero_advantage_keeps_only_the_samples_with_signal():
 
 
 def test_flow_grpo_forms_through_the_cli(tiny_sd3_dir, shape_prompts_file, tmp_path):
-    """The cps toy recipe with flow_grpo's forms (squared-distance score, KL × (−dt), flat groups dropped) trains."""
+    """The cps toy recipe with flow_grpo's forms (squared-distance score, its cps KL, flat groups dropped) trains."""
     out = tmp_path / "run"
     args = ["train", "recipe=toy_flow_grpo_cps", f"model.path={tiny_sd3_dir}", f"data.path={shape_prompts_file}",
             "data.heldout_path=null", "reward=jpeg_compressibility", f"trainer.output_dir={out}", "trainer.max_steps=1",
@@ -96,3 +97,64 @@ def test_flow_grpo_forms_through_the_cli(tiny_sd3_dir, shape_prompts_file, tmp_p
     assert main(args) == 0
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["train/samples"] == 4 and math.isfinite(row["kl"]) and math.isfinite(row["loss"])
+
+
+def _flow_grpo_step_mean_and_std(step, x, v, sigma, sigma_next, a, sigma_max):
+    """flow_grpo's `sde_step_with_logprob` (sde_type 'sde' / 'cps'), written out in float64: (mean, std_dev_t)."""
+    sig, nxt, a = (t.view(-1, 1, 1, 1) for t in (sigma, sigma_next, a))
+    dt = nxt - sig
+    if step == "sde":
+        std_dev_t = torch.sqrt(sig / (1 - torch.where(sig == 1, torch.full_like(sig, sigma_max), sig))) * a
+        mean = x * (1 + std_dev_t**2 / (2 * sig) * dt) + v * (1 + std_dev_t**2 * (1 - sig) / (2 * sig)) * dt
+    else:
+        std_dev_t = nxt * torch.sin(a * math.pi / 2)
+        mean = (x - sig * v) * (1 - nxt) + (x + v * (1 - sig)) * torch.sqrt(nxt**2 - std_dev_t**2)
+    return mean, std_dev_t.flatten()
+
+
+@pytest.mark.parametrize("step", ["sde", "cps", "dance"])
+def test_flow_grpo_kl_form_per_step_type(step):
+    """kl_form=flow_grpo is flow_grpo's kl = mean_d (μ − μ_ref)² / (2·std_dev_t²), with std_dev_t what its step
+    function returns for that step type: for `cps` the whole transition std (so it equals the exact KL), for `sde`
+    the std without √(−dt). `dance` has no flow_grpo step: it is flow_grpo's `sde` with a_i = η·sqrt((1−σ̃)/σ)."""
+    from polyrl.algorithms.flow_grpo import add_reference_kl
+
+    g = torch.Generator().manual_seed(3)
+    x, v = (torch.randn(4, 3, 4, 4, generator=g, dtype=f64) for _ in range(2))
+    v_ref = v + 0.05 * torch.randn(v.shape, generator=g, dtype=f64)
+    sigma = torch.tensor([1.0, 0.8, 0.5, 0.2], dtype=f64)
+    sigma_next = torch.tensor([0.9, 0.6, 0.3, 0.0], dtype=f64)
+    sigma_max, level = 0.9, torch.tensor([0.7, 0.5, 0.9, 0.6], dtype=f64)
+    out = step_latents(STEPS[step], {"x": x}, {"x": v}, sigma, sigma_next, level, sigma_max,
+                       noise={"x": torch.randn(x.shape, generator=g, dtype=f64)})
+    assert out.step == step
+
+    class Reference:  # the PolicyEvaluator's reference policy: the same transition under v_ref
+        def step(self, batch, k, policy="current"):
+            assert policy == "reference"
+            return step_latents(STEPS[step], {"x": x}, {"x": v_ref}, sigma, sigma_next, level, sigma_max, prev=out.sample)
+
+    if step == "dance":  # flow_grpo's sde step at a_i = η·sqrt((1−σ̃)/σ), σ̃ = σ_max where σ = 1
+        a = level * torch.sqrt((1 - torch.where(sigma == 1, torch.full_like(sigma, sigma_max), sigma)) / sigma)
+        fg_step = "sde"
+    else:
+        a, fg_step = level, step
+    mean, std_dev_t = _flow_grpo_step_mean_and_std(fg_step, x, v, sigma, sigma_next, a, sigma_max)
+    mean_ref, _ = _flow_grpo_step_mean_and_std(fg_step, x, v_ref, sigma, sigma_next, a, sigma_max)
+    torch.testing.assert_close(out.mean["x"], mean, rtol=1e-12, atol=1e-12)  # the same transition as flow_grpo's
+    expected = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)) / (2 * std_dev_t**2)
+    if step == "cps":  # into σ' = 0 the step is deterministic: flow_grpo divides by 0, polyrl reports 0
+        assert std_dev_t[3] == 0 and not torch.isfinite(expected[3])
+        expected[3] = 0.0
+
+    stats = {}
+    loss = add_reference_kl(Reference(), None, 0, out, 1.0, torch.zeros((), dtype=f64), stats, "flow_grpo")
+    torch.testing.assert_close(stats["kl"], expected.mean(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(loss, expected.mean(), rtol=1e-12, atol=0)
+    got = kl_to_reference(out.mean, Reference().step(None, 0, "reference").mean, out.std, out.dt, "flow_grpo", step)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
+    exact = kl_to_reference(out.mean, Reference().step(None, 0, "reference").mean, out.std, out.dt, "exact", step)
+    if step == "cps":
+        torch.testing.assert_close(got, exact, rtol=0, atol=0)  # flow_grpo's cps KL is the exact Gaussian KL
+    else:
+        torch.testing.assert_close(got, exact * (sigma - sigma_next), rtol=1e-12, atol=0)  # the exact KL × (−dt)

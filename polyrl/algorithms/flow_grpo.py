@@ -54,14 +54,26 @@ def gaussian_mean_kl(mean: Latents | torch.Tensor, ref_mean: Latents | torch.Ten
 KL_FORMS = ("exact", "flow_grpo")
 
 
-def kl_to_reference(mean, ref_mean, std, dt, form: str = "exact") -> torch.Tensor:
+def kl_to_reference(mean, ref_mean, std, dt, form: str = "exact", step: str = "sde") -> torch.Tensor:
     """Per-sample KL term of §3. `exact`: the Gaussian KL mean_d Δμ²/(2s²) with s the transition std.
-    `flow_grpo`: flow_grpo's form, which divides by the `sde` std without its √(−dt) factor, i.e. the exact KL ×
-    (−dt) (§3 convention (a)): the same β weighs late, small steps far less than the exact form does. With a σ
-    schedule per stream (`std`, `dt` dicts) each entry's term takes its own −dt."""
-    if form == "exact":
+
+    `flow_grpo`: flow_grpo's form, mean_d Δμ²/(2·std_dev_t²) with std_dev_t the std *its step function returns*
+    for the `step` that made the transition (§3 convention (a); read in yifan123/flow_grpo:
+    flow_grpo/diffusers_patch/sd3_sde_with_logprob.py `sde_step_with_logprob` at commit 54809b5fcf4d, whose `cps`
+    branch a later commit added, and the KL line of scripts/train_sd3_fast.py at 74db69191de9, which passes
+    `sde_type` through to that function):
+    - `sde`: std_dev_t = a·sqrt(σ/(1−σ̃)), the transition std without its √(−dt), so the form is the exact KL ×
+      (−dt): the same β weighs late, small steps far less than the exact form does;
+    - `cps`: std_dev_t = σ'·sin(aπ/2), already the whole transition std, so the form *is* the exact KL (into
+      σ' = 0 flow_grpo divides by 0; here, as for every deterministic step, the KL is 0);
+    - `dance` (no such step in flow_grpo): it is the `sde` step with a_i = η·sqrt((1−σ̃)/σ), for which flow_grpo's
+      sde function returns std_dev_t = η = s/√(−dt), so the form is again the exact KL × (−dt).
+    With a σ schedule per stream (`std`, `dt` dicts) each entry's term takes its own −dt."""
+    if form == "exact" or (form == "flow_grpo" and step == "cps"):
         return gaussian_mean_kl(mean, ref_mean, std)
     if form == "flow_grpo":
+        if step not in ("sde", "dance"):
+            raise ValueError(f"algorithm.kl_form=flow_grpo: unknown rollout.step {step!r}; allowed: cps, dance, sde")
         if not isinstance(dt, dict):
             return gaussian_mean_kl(mean, ref_mean, std) * (-dt)
         # Δμ²·(−dt)/(2s²) = Δμ²/(2·(s/√−dt)²), entry by entry
@@ -76,7 +88,7 @@ def add_reference_kl(policy: PolicyEvaluator, batch: Rollout, k: int, out, beta:
         return loss
     with torch.no_grad():
         ref = policy.step(batch, k, policy="reference")
-    kl = weighted_mean(kl_to_reference(out.mean, ref.mean, out.std, out.dt, form), out.weight)
+    kl = weighted_mean(kl_to_reference(out.mean, ref.mean, out.std, out.dt, form, out.step), out.weight)
     stats["kl"] = kl.detach()
     return loss + beta * kl
 

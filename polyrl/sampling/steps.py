@@ -44,6 +44,7 @@ class StepOut:
     std: torch.Tensor | Latents  # (B,) transition std (one per entry when the streams' σ differ)
     weight: torch.Tensor | None = None  # (B,) rollout-correction weight (IS × rejection mask, §4); None = 1
     dt: torch.Tensor | Latents | None = None  # (B,) σ' − σ (one per entry when the streams' σ differ)
+    step: str | None = None  # the step that made it (a `STEPS` key): the flow_grpo KL form depends on it
 
 
 def per_sample(t: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
@@ -87,7 +88,7 @@ def sde_step(
     if prev is None:
         z = noise if noise is not None else torch.randn_like(x)
         prev = mean + _view(scale, x) * z
-    return StepOut(prev, gaussian_log_prob(prev, mean, scale), mean, scale)
+    return StepOut(prev, gaussian_log_prob(prev, mean, scale), mean, scale, step="sde")
 
 
 def _view_all(x, *ts):
@@ -112,7 +113,7 @@ def cps_step(
     if prev is None:
         z = noise if noise is not None else torch.randn_like(x)
         prev = mean + _view(std, x) * z
-    return StepOut(prev, gaussian_log_prob(prev, mean, std), mean, std)
+    return StepOut(prev, gaussian_log_prob(prev, mean, std), mean, std, step="cps")
 
 
 def dance_step(
@@ -132,7 +133,7 @@ def dance_step(
     if prev is None:
         z = noise if noise is not None else torch.randn_like(x)
         prev = mean + _view(std, x) * z
-    return StepOut(prev, gaussian_log_prob(prev, mean, std), mean, std)
+    return StepOut(prev, gaussian_log_prob(prev, mean, std), mean, std, step="dance")
 
 
 STEPS = {"sde": sde_step, "cps": cps_step, "dance": dance_step}
@@ -174,4 +175,4 @@ def step_latents(step_fn, x: Latents, v: Latents, sigma, sigma_next, noise_level
     else:
         std, dt = first.std, per_sample(sigma_next, first.std) - per_sample(sigma, first.std)
     return StepOut({k: o.sample for k, o in outs.items()}, log_prob, {k: o.mean for k, o in outs.items()}, std,
-                   dt=dt)
+                   dt=dt, step=first.step)
