@@ -158,3 +158,23 @@ def test_flow_grpo_kl_form_per_step_type(step):
         torch.testing.assert_close(got, exact, rtol=0, atol=0)  # flow_grpo's cps KL is the exact Gaussian KL
     else:
         torch.testing.assert_close(got, exact * (sigma - sigma_next), rtol=1e-12, atol=0)  # the exact KL × (−dt)
+
+
+def test_recipes_with_flow_grpo_kl_form_use_every_flow_grpo_form():
+    """A recipe that selects flow_grpo's KL form claims flow_grpo's values, so it takes flow_grpo's other forms too:
+    flat groups dropped, and for `cps` steps the squared-distance score."""
+    from polyrl.config import CONFIG_DIR, load_config
+
+    claiming = {}
+    for path in sorted((CONFIG_DIR / "recipe").glob("*.yaml")):
+        if "kl_form: flow_grpo" not in path.read_text():
+            continue
+        overrides = [f"recipe={path.stem}", "model.path=/x", "data.path=/y.txt"]
+        cfg = load_config(overrides + (["reward.path=/z"] if "reward.path" in path.read_text() else []))
+        claiming[path.stem] = cfg
+        assert cfg.algorithm.kl_form == "flow_grpo"
+        assert cfg.algorithm.drop_zero_advantage, path.stem
+        assert cfg.rollout.step != "cps" or cfg.rollout.log_density == "squared_distance", path.stem
+    assert {"ace_step_flowgrpo", "stable_audio_flowgrpo", "stable_audio_3_flowgrpo", "sd35_flowgrpo",
+            "toy_flow_grpo_cps"} <= set(claiming)
+    assert claiming["stable_audio_3_flowgrpo"].rollout.step == "cps"
