@@ -398,17 +398,19 @@ DEFAULTS = {
     "shapes": dict(out="toy_shapes", vae_steps=1000, steps=2500, num_images=16000, batch=64),
     "motion": dict(out="toy_motion", vae_steps=400, steps=2000, num_images=4000, batch=32),
     "count": dict(out="toy_count", vae_steps=0, steps=600, num_images=0, batch=64),  # a text model: no VAE, no images
+    "text": dict(out="toy_text", vae_steps=300, steps=2000, num_images=8000, batch=32),
 }
 
 
 def main(args: list[str]) -> int:
-    """`polyrl pretrain-toy [--task shapes|motion] [--device cuda] [--out DIR] ...`"""
+    """`polyrl pretrain-toy [--task shapes|motion|count|text] [--device cuda] [--out DIR] ...`"""
     from ..config import ASSETS
 
     p = argparse.ArgumentParser(prog="polyrl pretrain-toy", description="train an embedded toy base model")
     p.add_argument("--task", choices=tuple(DEFAULTS), default="shapes",
                    help="shapes: the text-to-image default (toy_shapes); motion: the text-to-video one (toy_motion); "
-                        "count: the text default, a tiny causal LM (toy_count)")
+                        "count: the text default, a tiny causal LM (toy_count); text: an SD3-layout model that "
+                        "writes the quoted word of a prompt, the base of recipe toy_ocr (toy_text)")
     p.add_argument("--out", default=None, help="model directory (default: polyrl/assets/toy_<task>)")
     p.add_argument("--prompts-dir", default=str(ASSETS / "prompts"))
     p.add_argument("--vae-steps", type=int, default=None)
@@ -416,18 +418,28 @@ def main(args: list[str]) -> int:
     p.add_argument("--num-images", "--num-clips", dest="num_images", type=int, default=None,
                    help="training images (shapes) or clips (motion)")
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--vae-batch", type=int, default=16, help="motion: clips per VAE step")
-    p.add_argument("--eval-samples", type=int, default=64,
-                   help="motion, count: held-out prompts sampled after training, reward recorded in pretrain.json (0: skip)")
+    p.add_argument("--vae-batch", type=int, default=16, help="motion, text: clips / images per VAE step")
+    p.add_argument("--eval-samples", type=int, default=None,
+                   help="motion, count, text: held-out prompts sampled after training, reward recorded in pretrain.json "
+                        "(0: skip; text: default 160, every held-out word)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="text: torch CPU threads (default: torch's)")
     a = p.parse_args(args)
+    if a.eval_samples is None:
+        a.eval_samples = 160 if a.task == "text" else 64
     d = DEFAULTS[a.task]
     budget = {k: d[k] if getattr(a, k) is None else getattr(a, k) for k in ("vae_steps", "steps", "num_images", "batch")}
     out = a.out or str(ASSETS / d["out"])
     if a.task == "shapes":
         path = pretrain_toy(out, vae_steps=budget["vae_steps"], steps=budget["steps"], num_images=budget["num_images"],
                             batch=budget["batch"], seed=a.seed, prompts_dir=a.prompts_dir, device=a.device)
+    elif a.task == "text":
+        from .pretrain_text import pretrain_text
+
+        path = pretrain_text(out, vae_steps=budget["vae_steps"], steps=budget["steps"], num_images=budget["num_images"],
+                             batch=budget["batch"], seed=a.seed, prompts_dir=a.prompts_dir, device=a.device,
+                             eval_samples=a.eval_samples, vae_batch=a.vae_batch, threads=a.threads)
     elif a.task == "count":
         from .pretrain_count import pretrain_count
 

@@ -18,14 +18,25 @@ from transformers import CLIPTextConfig, CLIPTextModelWithProjection, PreTrained
 SPECIAL = ["<pad>", "<unk>", "<bos>", "<eos>"]
 
 
-def word_tokenizer(words: list[str], max_length: int, add_bos: bool) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer (lower-cased whitespace/punctuation split) that pads to `max_length`."""
+def word_tokenizer(words: list[str], max_length: int, add_bos: bool, letters: str = "") -> PreTrainedTokenizerFast:
+    """A word-level tokenizer (lower-cased whitespace/punctuation split) that pads to `max_length`.
+
+    `letters` (e.g. "ABC...Z"): character-level for these characters instead: nothing is lower-cased, and each of
+    them is a token of its own wherever it occurs (`"HELLO"` -> `"`, H, E, L, L, O, `"`), while the other words
+    stay whole (the toy text task spells its quoted word out to the model this way)."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL)}
-    for w in sorted({w.lower() for w in words}):
+    for w in sorted({w if letters else w.lower() for w in words} | set(letters)):
         vocab.setdefault(w, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if letters:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Whitespace(),
+            pre_tokenizers.Split(Regex("[" + "".join("\\" + c if c in "\\]^-" else c for c in letters) + "]"),
+                                 behavior="isolated"),
+        ])
+    else:
+        tok.normalizer = normalizers.Lowercase()
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
     template = ("<bos> $A <eos>" if add_bos else "$A <eos>")
     tok.post_processor = processors.TemplateProcessing(
         single=template, special_tokens=[("<bos>", vocab["<bos>"]), ("<eos>", vocab["<eos>"])]
@@ -46,6 +57,7 @@ class TinySD3Spec:
 
     words: list[str]
     text_encoders: tuple[str, ...] = ("clip_l", "clip_g", "t5")
+    letters: str = ""  # characters tokenised one by one (`word_tokenizer`), e.g. the toy text task's A-Z
     clip_hidden: int = 32
     clip_layers: int = 2
     clip_l_proj: int = 32
@@ -99,7 +111,7 @@ def _build_tiny_sd3(spec: TinySD3Spec) -> StableDiffusion3Pipeline:
     parts: dict = {}
     for slot, name, proj in (("", "clip_l", spec.clip_l_proj), ("_2", "clip_g", spec.clip_g_proj)):
         if name in spec.text_encoders:
-            tok = word_tokenizer(spec.words, spec.clip_max_length, add_bos=True)
+            tok = word_tokenizer(spec.words, spec.clip_max_length, add_bos=True, letters=spec.letters)
             cfg = CLIPTextConfig(
                 vocab_size=len(tok), hidden_size=spec.clip_hidden, intermediate_size=spec.clip_hidden * 4,
                 num_hidden_layers=spec.clip_layers, num_attention_heads=max(1, spec.clip_hidden // 16),
@@ -110,7 +122,7 @@ def _build_tiny_sd3(spec: TinySD3Spec) -> StableDiffusion3Pipeline:
         else:
             parts["text_encoder" + slot], parts["tokenizer" + slot] = None, None
     if "t5" in spec.text_encoders:
-        tok = word_tokenizer(spec.words, spec.t5_max_length, add_bos=False)
+        tok = word_tokenizer(spec.words, spec.t5_max_length, add_bos=False, letters=spec.letters)
         cfg = T5Config(
             vocab_size=len(tok), d_model=spec.t5_d_model, d_kv=16, d_ff=spec.t5_d_model * 2,
             num_layers=spec.t5_layers, num_heads=max(1, spec.t5_d_model // 16), pad_token_id=tok.pad_token_id,

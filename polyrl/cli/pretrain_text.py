@@ -1,0 +1,210 @@
+"""`polyrl pretrain-toy --task text`: the toy OCR model, an SD3-layout text-to-image model that writes a word.
+
+The task is `polyrl.toy.text_task`: `a sign that says "HELLO"` -> a 32x128 sign with HELLO on it. The model is the
+real SD3 stack at toy widths (`polyrl.models.tiny`), trained in two phases like `toy_shapes`:
+1. a small AutoencoderKL (4x down, 4 latent channels) reconstructs rendered signs (+ 1e-6 KL);
+2. the SD3 transformer and its CLIP text encoder learn rectified flow on the frozen VAE's latents:
+   x_σ = (1 − σ)·x0 + σ·ε, target velocity ε − x0, σ = sigmoid(n), n ~ N(0, 1), 10% empty prompts (so CFG works).
+The CLIP tokenizer spells the quoted word out letter by letter (`TinySD3Spec.letters`), so a held-out word is made
+of known tokens; the model only ever sees training words (`text_task.split_words`). It is trained briefly, so it
+writes held-out words legibly but often wrongly: the base for `recipe=toy_ocr` (Flow-GRPO against `reward=ocr`).
+`pretrain.json` records the budget, the losses, the OCR accuracy of the VAE's reconstructions and the held-out
+OCR accuracy of ODE samples (`evaluate_text`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..models.sd3 import encode_sd3_prompts
+from ..models.tiny import TinySD3Spec, build_tiny_sd3, fill_clip_g_slot
+from ..toy import text_task
+
+TEXT_LENGTH = 16  # CLIP tokens: <bos>, four words, the quoted word of at most 6 letters, <eos> = 14
+OCR = {"name": "ocr", "detect": False, "threads": 1}  # recognition only: a sign is one line of text
+
+
+def text_spec() -> TinySD3Spec:
+    """The toy OCR model: 32x128 images, 8x32x4 latents, 2x2 patches -> 64 image tokens + 16 text tokens."""
+    return TinySD3Spec(
+        words=text_task.template_words() + ['"'], letters=text_task.TEXT_LETTERS, text_encoders=("clip_l",),
+        clip_hidden=64, clip_layers=2, clip_l_proj=64, clip_max_length=TEXT_LENGTH,
+        num_layers=5, heads=3, head_dim=32, latent_channels=4, patch_size=2, image_size=text_task.WIDTH,
+        vae_channels=(8, 16, 32), vae_layers=1, vae_norm_groups=8, vae_mid_attention=False, shift=1.0,
+    )
+
+
+def render_batch(words: list[str], rng: random.Random) -> torch.Tensor:
+    """Rendered signs as (B, 3, H, W) in [0, 1]."""
+    arr = np.stack([text_task.to_array(text_task.render(w, rng)) for w in words])
+    return torch.from_numpy(arr).permute(0, 3, 1, 2).float() / 255.0
+
+
+def _mean_tail(values: list[float], k: int = 50) -> float:
+    return round(float(np.mean(values[-k:])), 5) if values else float("nan")
+
+
+def pretrain_text(
+    out: str | Path, vae_steps: int = 300, steps: int = 2000, num_images: int = 8000, batch: int = 32,
+    lr: float = 5e-4, seed: int = 0, prompts_dir: str | Path | None = None, device: str = "cpu",
+    eval_samples: int = 160, progress: bool = True, vae_batch: int = 16, threads: int | None = None,
+) -> Path:
+    """Train the toy OCR model (`text_spec`) into `out` and write `pretrain.json` beside it (module docstring).
+    `threads`: torch's CPU threads (on a shared, busy CPU one thread per process is several times faster)."""
+    from ..rewards import build_reward
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    t_start = time.time()
+    timings: dict[str, float] = {}
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    spec = text_spec()
+    pipe = build_tiny_sd3(spec, seed).to(device)
+    train_words, _ = text_task.split_words()
+    ocr = build_reward(OCR)
+
+    # Phase 1: VAE reconstruction of freshly rendered signs.
+    t0 = time.time()
+    vae = pipe.vae.train()
+    opt = torch.optim.Adam(vae.parameters(), lr=2e-3)
+    vae_losses: list[float] = []
+    for _ in (bar := tqdm(range(vae_steps), desc="vae", disable=not progress)):
+        x = (render_batch(rng.choices(train_words, k=vae_batch), rng) * 2 - 1).to(device)
+        post = vae.encode(x).latent_dist
+        loss = F.mse_loss(vae.decode(post.sample()).sample, x) + 1e-6 * post.kl().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        vae_losses.append(loss.item())
+        bar.set_postfix(mse=f"{loss.item():.4f}")
+    vae.eval().requires_grad_(False)
+    timings["vae"] = time.time() - t0
+
+    # A dataset of latents (rendering is cheap, encoding is not), and the OCR accuracy of reconstructions.
+    t0 = time.time()
+    words = rng.choices(train_words, k=num_images)
+    prompts = [text_task.prompt_for(w, rng.randrange(len(text_task.TEMPLATES))) for w in words]
+    with torch.no_grad():
+        lat = torch.cat([vae.encode((render_batch(words[i : i + 256], rng) * 2 - 1).to(device)).latent_dist.mean
+                         for i in range(0, num_images, 256)])
+        recon = (vae.decode(lat[:128]).sample / 2 + 0.5).clamp(0, 1).cpu()
+    recon_score = ocr(recon, prompts[: len(recon)], [{}] * len(recon)).scores.mean().item()
+    tqdm.write(f"vae: OCR accuracy of reconstructions {recon_score:.3f} (renders: 1.0)")
+    shift, scale = lat.mean().item(), 1.0 / lat.std().item()
+    vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+    lat = (lat - shift) * scale
+    timings["encode"] = time.time() - t0
+
+    # Phase 2: rectified flow on the transformer + text encoder.
+    t0 = time.time()
+    tr, te = pipe.transformer.train(), pipe.text_encoder.train()
+    params = list(tr.parameters()) + list(te.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 200) * max(0.1, 1 - i / steps))
+    encoders, tokenizers = [pipe.text_encoder, None, None], [pipe.tokenizer, None, None]
+    flow_losses: list[float] = []
+    for _ in (bar := tqdm(range(steps), desc="flow", disable=not progress)):
+        idx = torch.randint(0, num_images, (batch,))
+        x0 = lat[idx.to(lat.device)]
+        cond = encode_sd3_prompts(encoders, tokenizers, ["" if rng.random() < 0.1 else prompts[i] for i in idx.tolist()],
+                                  tr.config, 0)
+        sigma = torch.sigmoid(torch.randn(batch, device=x0.device))
+        noise = torch.randn_like(x0)
+        s = sigma.view(-1, 1, 1, 1)
+        v = tr((1 - s) * x0 + s * noise, cond["prompt_embeds"], cond["pooled"], sigma * 1000, return_dict=False)[0]
+        loss = F.mse_loss(v, noise - x0)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        flow_losses.append(loss.item())
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+    tr.eval()
+    te.eval()
+    timings["flow"] = time.time() - t0
+
+    out = Path(out)
+    fill_clip_g_slot(pipe)  # so that plain StableDiffusion3Pipeline.from_pretrained loads it (models/tiny.py)
+    pipe.to("cpu").save_pretrained(str(out))
+    if prompts_dir is not None:
+        write_text_prompt_files(prompts_dir)
+    heldout = None
+    if eval_samples > 0:
+        t0 = time.time()
+        heldout = evaluate_text(out, text_task.make_prompts(text_task.split_words()[1])[:eval_samples], device=device)
+        timings["eval"] = time.time() - t0
+        tqdm.write(f"OCR accuracy of ODE samples on {eval_samples} held-out words: {heldout['score']:.3f} "
+                   f"(exact {heldout['exact']:.3f})")
+    timings["total"] = time.time() - t_start
+    curve_every = max(1, steps // 10)
+    (out / "pretrain.json").write_text(json.dumps({
+        "task": "text", "command": f"polyrl pretrain-toy --task text --vae-steps {vae_steps} --steps {steps} "
+        f"--num-images {num_images} --batch {batch} --vae-batch {vae_batch} --seed {seed} --device {device}"
+        + (f" --threads {threads}" if threads is not None else ""),
+        "height": text_task.HEIGHT, "width": text_task.WIDTH, "vae_steps": vae_steps, "steps": steps,
+        "num_images": num_images, "batch": batch, "vae_batch": vae_batch, "lr": lr, "seed": seed, "threads": threads,
+        "losses": {"vae_final": _mean_tail(vae_losses), "flow_final": _mean_tail(flow_losses),
+                   "flow_curve": [_mean_tail(flow_losses[: i + curve_every]) for i in range(0, steps, curve_every)]},
+        "vae_reconstruction_ocr": round(recon_score, 4),
+        "heldout_ocr": None if heldout is None else round(heldout["score"], 4),
+        "heldout_exact": None if heldout is None else round(heldout["exact"], 4),
+        "eval_samples": eval_samples, "eval": "ODE, 10 steps, guidance 1, noise seed 1234, reward=ocr detect=false",
+        "seconds": {k: round(v, 1) for k, v in timings.items()},
+        "torch": torch.__version__, "device": str(device),
+    }, indent=2))
+    return out
+
+
+def write_text_prompt_files(prompts_dir: str | Path, seed: int = 0) -> None:
+    """`text_train.jsonl` (training words) and `text_heldout.jsonl` (held-out words, evaluation only)."""
+    prompts_dir = Path(prompts_dir)
+    prompts_dir.mkdir(parents=True, exist_ok=True)
+    train, heldout = text_task.split_words(seed)
+    for name, rows in (("text_train.jsonl", text_task.make_prompts(train, seed)),
+                       ("text_heldout.jsonl", text_task.make_prompts(heldout, seed))):
+        with open(prompts_dir / name, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+def evaluate_text(path: str | Path, rows: list[dict], num_steps: int = 10, device: str = "cpu", seed: int = 1234,
+                  grid: str | Path | None = None) -> dict:
+    """OCR accuracy (`reward=ocr`, recognition only) of ODE samples (fixed noise, the `sd3` adapter) for prompt
+    rows {"prompt", "text"}: {"score": mean, "exact": share read exactly, "reads": what the OCR read}. `grid`: a
+    PNG of the samples, each captioned with its target word, what the OCR read and the score."""
+    from ..latents import MediaShape
+    from ..models.base import Guidance
+    from ..models.sd3 import SD3Policy
+    from ..rewards import build_reward
+    from ..sampling.diffusion import SamplingPlan, draw_noise, rollout
+
+    adapter = SD3Policy(SimpleNamespace(path=str(path), dtype="float32", max_sequence_length=TEXT_LENGTH),
+                        torch.device(device))
+    prompts, meta = [r["prompt"] for r in rows], [{"text": r["text"]} for r in rows]
+    plan = SamplingPlan(num_steps=num_steps, shape=MediaShape(text_task.HEIGHT, text_task.WIDTH),
+                        guidance=Guidance(1.0), noise_level=0.0, batch_size=64)
+    groups = torch.arange(len(rows))
+    noise = draw_noise(adapter.latent_shapes(plan.shape), plan, groups, torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        batch = rollout(adapter, prompts, meta, groups, plan, noise)
+    images = batch.media["images"].float().cpu()
+    ocr = build_reward(OCR)
+    out = ocr(images, prompts, meta)
+    reads = [ocr.read(a) for a in (images.clamp(0, 1).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)]
+    if grid is not None:
+        from ..trainer.logging import save_grid
+
+        save_grid(images, [f"{m['text']} -> {r or '(nothing)'}" for m, r in zip(meta, reads, strict=True)],
+                  out.scores.tolist(), Path(grid))
+    return {"score": out.scores.mean().item(), "exact": float(np.mean(out.extras["ocr/exact"])), "reads": reads}
