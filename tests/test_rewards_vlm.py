@@ -22,7 +22,7 @@ TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] =
 SCRIPT = {"answer": "score", "score": ":", ":": "8", "8": "<eos>", "refuse": "no", "no": "idea", "idea": "<eos>"}
 
 
-def build_tiny_llava(path, seed=0, script=None):
+def build_tiny_llava(path, seed=0, script=None, words=None):
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import (
         CLIPImageProcessor,
@@ -34,7 +34,7 @@ def build_tiny_llava(path, seed=0, script=None):
         PreTrainedTokenizerFast,
     )
 
-    vocab = {t: i for i, t in enumerate(SPECIAL + WORDS)}
+    vocab = {t: i for i, t in enumerate(SPECIAL + (words or WORDS))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

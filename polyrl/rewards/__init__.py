@@ -3,6 +3,7 @@ from . import (  # noqa: F401  (register the built-in scorers)
     clap,
     clip_score,
     geneval,
+    group_diversity,
     hps,
     http,
     jpeg,
@@ -14,20 +15,23 @@ from . import (  # noqa: F401  (register the built-in scorers)
     preservation,
     rules,
     shapes,
+    speech,
     temporal_consistency,
     vlm_judge,
 )
 from .base import (
     REWARDS,
     Audio,
+    GroupReward,
     Reward,
     RewardOutput,
     build_reward,
     call_reward,
+    is_groupwise,
     media_kind,
     register_reward,
     reward_inputs,
 )
 
-__all__ = ["REWARDS", "Audio", "Reward", "RewardOutput", "build_reward", "call_reward", "media_kind",
-           "register_reward", "reward_inputs"]
+__all__ = ["REWARDS", "Audio", "GroupReward", "Reward", "RewardOutput", "build_reward", "call_reward",
+           "is_groupwise", "media_kind", "register_reward", "reward_inputs"]

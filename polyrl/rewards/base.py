@@ -27,6 +27,16 @@ scores K evenly spaced frames of each video as (B*K, 3, H, W) images (prompts, m
 per frame) and reduces the (B, K) scores to (B,) by the mean or the min. K and the reduction are the reward
 config's `frames` and `frame_reduce` (`build_reward` pops them, as `async`, and records them on the reward as
 `frame_sampling`). A reward never gets a kind it does not read: audio for an image scorer is an error.
+
+Group rewards (docs/rewards.md, "Group rewards") score a prompt's whole group at once (diversity, a judge that
+ranks the group): a reward with the class or instance attribute `groupwise = True` is called as
+
+    reward(media, prompts, metadata, group_ids=group_ids) -> RewardOutput   # (+ latents= when it reads latents)
+
+where `group_ids` (B,) long says which samples share a prompt, and the batch holds every member of each group in
+it (the reward stage collects whole groups before it calls; rewards/stage.py). `GroupReward` is the base class
+that turns this into one `score_group(media, prompt, metadata)` call per group. An image group reward given
+video scores frame j of every member as one group (group id × K + j), then reduces per sample as above.
 """
 
 from __future__ import annotations
@@ -156,25 +166,127 @@ def frame_indices(num_frames: int, frames: int | None, key: str = "reward") -> l
     return [int(i) for i in np.rint(np.linspace(0, num_frames - 1, frames))]
 
 
+def is_groupwise(reward) -> bool:
+    """Whether a reward (or reward class) scores whole prompt groups (its `groupwise` attribute, default False). A
+    class whose instances decide (a property, or an attribute set in `__init__`) counts as not groupwise."""
+    value = getattr(reward, "groupwise", False)
+    return value is True if isinstance(reward, type) else bool(value)
+
+
+def group_members(group_ids) -> list[list[int]]:
+    """The sample indices of each group, groups in order of first appearance, members in batch order."""
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(torch.as_tensor(group_ids).reshape(-1).tolist()):
+        members.setdefault(int(g), []).append(i)
+    return list(members.values())
+
+
+def media_take(media, idx: list[int]):
+    """Samples `idx` (any order) of a batch of images, video, `Audio`, texts or `{kind: batch}`."""
+    if media is None:
+        return None
+    if isinstance(media, dict):
+        return {k: media_take(v, idx) for k, v in media.items()}
+    if isinstance(media, list | tuple):
+        return [media[i] for i in idx]
+    if isinstance(media, Audio):
+        return Audio(media.waveform[torch.as_tensor(idx, dtype=torch.long, device=media.waveform.device)],
+                     media.sample_rate)
+    return media[torch.as_tensor(idx, dtype=torch.long, device=media.device)]
+
+
+def group_chunks(group_ids, size: int) -> list[list[int]]:
+    """Sample indices cut into chunks of whole groups: groups in order of first appearance, packed while a chunk
+    holds at most `size` samples (a group larger than `size` is a chunk of its own); members stay together."""
+    chunks: list[list[int]] = []
+    for members in group_members(group_ids):
+        if chunks and len(chunks[-1]) + len(members) <= size:
+            chunks[-1] += members
+        else:
+            chunks.append(list(members))
+    return chunks
+
+
+def frame_group_ids(group_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Group ids of (B*K) frames (sample-major) when an image group reward scores K frames per video: frame j of
+    the members of group g form one group, numbered dense(g) * K + j."""
+    dense = torch.unique(torch.as_tensor(group_ids).reshape(-1), return_inverse=True)[1]
+    return (dense.repeat_interleave(k) * k + torch.arange(k).repeat(len(dense))).long()
+
+
+class GroupReward:
+    """Base class of a group reward: `score_group(media, prompt, metadata)` gets one prompt's whole group (its n
+    samples' media, the group's prompt, the n metadata entries) and returns a `RewardOutput` of n scores.
+    `__call__` (the convention of the module docstring) calls it once per group and puts the scores back in batch
+    order; per-sample extras (length n) are put back too, any other extra value is given to each member. A reward
+    that can score many groups in one pass (one forward for the whole batch) overrides `__call__` instead."""
+
+    groupwise = True
+
+    def score_group(self, media, prompt: str, metadata: list[dict]) -> RewardOutput:
+        raise NotImplementedError
+
+    def __call__(self, media, prompts, metadata, group_ids=None) -> RewardOutput:
+        n = media_len(media)
+        metadata = check_batch(_reward_name(self), n, prompts, metadata)
+        scores = torch.full((n,), float("nan"), dtype=torch.float32)
+        extras: dict[str, list] = {}
+        for members in group_members(checked_group_ids(self, group_ids, n)):
+            out = self.score_group(media_take(media, members), prompts[members[0]], [metadata[i] for i in members])
+            part = torch.as_tensor(out.scores, dtype=torch.float32).reshape(-1)
+            if part.numel() != len(members):
+                raise RuntimeError(f"reward {_reward_name(self)} returned {part.numel()} scores for a group of "
+                                   f"{len(members)}")
+            scores[members] = part
+            for key, value in out.extras.items():
+                if isinstance(value, torch.Tensor):
+                    value = value.reshape(-1).tolist() if value.ndim > 0 else value.item()
+                per = list(value) if isinstance(value, list | tuple) and len(value) == len(members) else \
+                    [value] * len(members)
+                column = extras.setdefault(key, [None] * n)
+                for i, v in zip(members, per, strict=True):
+                    column[i] = v
+        return RewardOutput(scores, extras)
+
+
+def checked_group_ids(reward, group_ids, n: int) -> torch.Tensor:
+    """(n,) long group ids for a group reward; ValueError when missing or of the wrong length."""
+    if group_ids is None:
+        raise ValueError(f"reward {_reward_name(reward)} scores whole prompt groups, so it needs the samples' group "
+                         "ids (call it through rewards.stage / call_reward(..., group_ids=...))")
+    group_ids = torch.as_tensor(group_ids).reshape(-1).long().cpu()
+    if group_ids.numel() != n:
+        raise ValueError(f"reward {_reward_name(reward)}: {group_ids.numel()} group ids for {n} samples")
+    return group_ids
+
+
 def _reward_name(reward) -> str:
     """The registered name of a reward's class (its class name when it is not registered)."""
     return next((n for n, c in REWARDS.items() if c is type(reward)), type(reward).__name__)
 
 
-def _call(reward, kinds: frozenset[str], media, prompts, metadata, latents):
+def _call(reward, kinds: frozenset[str], media, prompts, metadata, latents, group_ids=None):
+    group = {"group_ids": group_ids} if is_groupwise(reward) else {}
     if "latents" not in kinds:
-        return reward(media, prompts, metadata)
+        return reward(media, prompts, metadata, **group)
     if latents is None:
         raise ValueError(f"reward {type(reward).__name__} reads latents but none were given")
-    return reward(media if "images" in kinds else None, prompts, metadata, latents=latents)
+    return reward(media if "images" in kinds else None, prompts, metadata, latents=latents, **group)
 
 
-def call_reward(reward, media, prompts: list, metadata: list[dict], latents: torch.Tensor | None = None):
+def call_reward(reward, media, prompts: list, metadata: list[dict], latents: torch.Tensor | None = None,
+                group_ids: torch.Tensor | None = None):
     """Call `reward` with what it declares it reads (the one place the convention above is applied): an image
     scorer given video scores its sampled frames (`score_frames`); a kind it cannot read is a ValueError.
     A prompt with condition media (`{"text", "images"}`) reaches the reward as its text; the condition paths are in
-    `metadata` (where edit rewards read their source image)."""
+    `metadata` (where edit rewards read their source image). `group_ids` (B,) go to a group reward (required
+    there; the caller must pass whole groups) and are ignored by a per-sample one."""
     prompts = [p if isinstance(p, str) else p["text"] for p in prompts]
+    if is_groupwise(reward):
+        n = len(prompts)
+        group_ids = checked_group_ids(reward, group_ids, n)
+    else:
+        group_ids = None
     kinds = reward_inputs(reward)
     if "images" in kinds and media is None:
         raise ValueError(f"reward {type(reward).__name__} reads images but none were decoded")
@@ -184,10 +296,10 @@ def call_reward(reward, media, prompts: list, metadata: list[dict], latents: tor
         kind, native = media_kind(media), reward_media(reward)
         if kind not in native:
             if kind == "video" and "images" in native:
-                return score_frames(reward, media, prompts, metadata, latents)
+                return score_frames(reward, media, prompts, metadata, latents, group_ids)
             raise ValueError(f"reward {_reward_name(reward)} reads {', '.join(sorted(native))}; it cannot score "
                              f"{kind} (a reward declares the media it reads with its `media` attribute)")
-    return _call(reward, kinds, media, prompts, metadata, latents)
+    return _call(reward, kinds, media, prompts, metadata, latents, group_ids)
 
 
 def _pick_media(reward, media: dict):
@@ -206,12 +318,13 @@ def _pick_media(reward, media: dict):
 
 
 def score_frames(reward, video: torch.Tensor, prompts: list[str], metadata: list[dict] | None,
-                 latents: torch.Tensor | None = None) -> RewardOutput:
+                 latents: torch.Tensor | None = None, group_ids: torch.Tensor | None = None) -> RewardOutput:
     """Score a (B, T, 3, H, W) video with an image scorer: the K frames of `reward.frame_sampling` (every frame
     when unset) as (B*K, 3, H, W) images, prompts / metadata / latents repeated per frame, then the (B, K)
     scores reduced to (B,) by its mean or min. Per-sample extras follow the scores: with mean, the mean of a
     sample's numeric per-frame values; with min, the values of the frame that gave the lowest score. A
     non-numeric per-frame extra keeps its value when all K frames agree, else None; other extras pass as they are.
+    A group reward scores frame j of a group's members as one group (`frame_group_ids`).
     """
     sampling = getattr(reward, "frame_sampling", None) or FrameSampling()
     name = _reward_name(reward)
@@ -223,7 +336,8 @@ def score_frames(reward, video: torch.Tensor, prompts: list[str], metadata: list
     per_frame = [[x for x in xs for _ in range(k)] for xs in (prompts, metadata)]
     lat = None if latents is None else ({n: v.repeat_interleave(k, 0) for n, v in latents.items()}  # several entries
                                         if isinstance(latents, dict) else latents.repeat_interleave(k, 0))
-    out = _call(reward, reward_inputs(reward), images, *per_frame, lat)
+    frame_groups = frame_group_ids(group_ids, k) if group_ids is not None else None
+    out = _call(reward, reward_inputs(reward), images, *per_frame, lat, frame_groups)
     scores = torch.as_tensor(out.scores).detach().to("cpu", torch.float64).reshape(-1)
     if scores.numel() != b * k:
         raise RuntimeError(f"reward {name} returned {scores.numel()} scores for {b} videos x {k} frames")

@@ -10,6 +10,12 @@ seconds, or the server's `Retry-After`) on transport errors and timeouts, 408, 4
 a score is never attached to the wrong sample. When the retry budget is spent the call raises
 `RewardUnavailable` (naming the URL and the last error); the trainer then saves a checkpoint and stops.
 
+Group rewards (docs/rewards.md, "Group rewards"): when the server's reward is one (`GET /health` says
+`"groupwise": true` at `preflight`, which the trainer runs first; or set `reward.groupwise=true`), this client is
+one too: the stage gives it whole groups with their
+ids, each request carries whole groups only (members next to each other) and their ids in a `groups` field, and
+the server scores each group in one call.
+
 `protocol=flow_grpo_pickle` talks to reward servers written for flow_grpo (a POST of
 `pickle.dumps({"images": [JPEG bytes], "prompts": [...], "meta_datas": [...]})`, answered with a pickled
 dict holding "scores" or "outputs"). Unpickling a server's answer can run code chosen by that server: use it
@@ -32,9 +38,9 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from .base import MEDIA_KINDS, RewardOutput, media_kind, media_len, media_slice, register_reward
+from .base import MEDIA_KINDS, RewardOutput, group_chunks, media_kind, media_len, media_take, register_reward
 from .codec import FORMATS, VIDEO_FORMATS, encode_audio, encode_image_bytes, encode_images, encode_videos, to_uint8
-from .stage import RewardUnavailable, merge_extras
+from .stage import RewardUnavailable, scatter_extras
 
 PROTOCOLS = ("json", "flow_grpo_pickle")
 RETRY_STATUS = frozenset({408, 429})  # and every 5xx
@@ -131,6 +137,7 @@ class HttpReward:
         score_key: str | None = None,
         video_format: str = "frames",
         mp4_crf: int = 18,
+        groupwise: bool | None = None,
     ):
         if protocol not in PROTOCOLS:
             raise ValueError(f"reward.protocol={protocol!r} is not valid; allowed: {', '.join(PROTOCOLS)}")
@@ -140,6 +147,10 @@ class HttpReward:
             raise ValueError(f"reward.video_format={video_format!r} is not valid; allowed: {', '.join(VIDEO_FORMATS)}")
         if isinstance(mp4_crf, bool) or not isinstance(mp4_crf, int) or not 0 <= mp4_crf <= 51:
             raise ValueError(f"reward.mp4_crf={mp4_crf!r} must be an integer in [0, 51] (x264 constant quality)")
+        if groupwise is not None and not isinstance(groupwise, bool):
+            raise ValueError(f"reward.groupwise={groupwise!r} must be true, false or null (ask the server)")
+        if groupwise and protocol != "json":
+            raise ValueError(f"reward.groupwise=true needs reward.protocol=json (got {protocol})")
         if not str(url).startswith(("http://", "https://")):
             raise ValueError(f"reward.url={url!r} must start with http:// or https://")
         for key, value in (("chunk_size", chunk_size), ("max_concurrency", max_concurrency)):
@@ -161,9 +172,16 @@ class HttpReward:
         self._client = None
         self._lock = threading.Lock()
         self.stats = {"requests": 0, "retries": 0}
+        self._groupwise = groupwise if protocol == "json" else False
+
+    @property
+    def groupwise(self) -> bool:
+        """Whether the server's reward scores whole groups: `reward.groupwise`, else what the server's `GET /health`
+        said at `preflight` (False before it)."""
+        return bool(self._groupwise)
 
     # ------------------------------------------------------------------------------------------ public
-    def __call__(self, media, prompts, metadata) -> RewardOutput:
+    def __call__(self, media, prompts, metadata, group_ids=None) -> RewardOutput:
         kind = media_kind(media)
         if kind != "images" and self.protocol != "json":
             raise ValueError(f"reward.protocol={self.protocol} sends images only; got {kind} (serve the reward with "
@@ -173,10 +191,19 @@ class HttpReward:
         if len(prompts) != n or len(metadata) != n:
             raise ValueError(f"reward=http: {n} {FIELDS[kind]}, {len(prompts)} prompts, {len(metadata)} metadata "
                              "entries")
-        chunks = [slice(i, min(n, i + self.chunk_size)) for i in range(0, n, self.chunk_size)]
-        results = self._run(self._score_all(media, list(prompts), metadata, chunks))
-        scores = torch.tensor([s for part, _ in results for s in part], dtype=torch.float32)
-        return RewardOutput(scores, merge_extras([(len(part), extras) for part, extras in results]))
+        if group_ids is None:
+            chunks = [list(range(i, min(n, i + self.chunk_size))) for i in range(0, n, self.chunk_size)]
+            groups = None
+        else:  # whole groups per request, each group's members together
+            groups = [int(g) for g in torch.as_tensor(group_ids).reshape(-1).tolist()]
+            if len(groups) != n:
+                raise ValueError(f"reward=http: {len(groups)} group ids for {n} samples")
+            chunks = group_chunks(groups, self.chunk_size)
+        results = self._run(self._score_all(media, list(prompts), metadata, chunks, groups))
+        scores = torch.empty(n, dtype=torch.float32)
+        for idx, (part, _) in zip(chunks, results, strict=True):
+            scores[idx] = torch.tensor(part, dtype=torch.float32)
+        return RewardOutput(scores, scatter_extras([(idx, e) for idx, (_, e) in zip(chunks, results, strict=True)], n))
 
     def preflight(self) -> None:
         """Before the trainer loads the model: the server answers (json: `GET {url}/health` says "ok";
@@ -208,6 +235,8 @@ class HttpReward:
         if status != "ok":
             raise UserError(f"reward.url={self.url}: GET {health} answered HTTP {resp.status_code} "
                             f"({_detail(resp)}), not a healthy polyrl reward server")
+        if self._groupwise is None:  # a group reward behind the server: send whole groups and their ids
+            self._groupwise = bool(body.get("groupwise", False))
 
     def close(self) -> None:
         if self._loop is not None:
@@ -235,14 +264,16 @@ class HttpReward:
             self._client = httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers)
         return self._client
 
-    async def _score_all(self, media, prompts, metadata, chunks):
+    async def _score_all(self, media, prompts, metadata, chunks: list[list[int]], groups: list[int] | None):
         gate = asyncio.Semaphore(self.max_concurrency)
 
-        async def one(sl: slice):
+        async def one(idx: list[int]):
             async with gate:
-                return await self._score_chunk(media_slice(media, sl.start, sl.stop), prompts[sl], metadata[sl])
+                return await self._score_chunk(media_take(media, idx), [prompts[i] for i in idx],
+                                               [metadata[i] for i in idx],
+                                               None if groups is None else [groups[i] for i in idx])
 
-        tasks = [asyncio.ensure_future(one(sl)) for sl in chunks]
+        tasks = [asyncio.ensure_future(one(idx)) for idx in chunks]
         try:
             return await asyncio.gather(*tasks)
         finally:  # on the first failure, stop the other requests instead of leaving them running
@@ -250,11 +281,11 @@ class HttpReward:
                 t.cancel()
 
     # ------------------------------------------------------------------------------------------ one request
-    async def _score_chunk(self, media, prompts, metadata) -> tuple[list[float], dict]:
+    async def _score_chunk(self, media, prompts, metadata, groups=None) -> tuple[list[float], dict]:
         import httpx
 
         rid = f"{self._session}-{next(self._ids)}"  # the same id on every retry of this request
-        body = await asyncio.to_thread(self._encode, media, prompts, metadata)
+        body = await asyncio.to_thread(self._encode, media, prompts, metadata, groups)
         what = FIELDS[media_kind(media)]
         headers = {"X-Request-ID": rid}
         headers["Content-Type"] = "application/json" if self.protocol == "json" else "application/octet-stream"
@@ -277,7 +308,7 @@ class HttpReward:
             f"{self.max_retries}); last error: {last}"
         )
 
-    def _encode(self, media, prompts, metadata) -> bytes:
+    def _encode(self, media, prompts, metadata, groups=None) -> bytes:
         import json
 
         if self.protocol == "json":
@@ -290,7 +321,10 @@ class HttpReward:
                 items = list(media)
             else:
                 items = encode_audio(media)
-            return json.dumps({FIELDS[kind]: items, "prompts": prompts, "metadata": metadata}).encode()
+            request = {FIELDS[kind]: items, "prompts": prompts, "metadata": metadata}
+            if groups is not None:
+                request["groups"] = groups
+            return json.dumps(request).encode()
         jpegs = [encode_image_bytes(a, "jpeg", self.jpeg_quality) for a in to_uint8(media)]
         return pickle.dumps({"images": jpegs, "prompts": prompts, "meta_datas": metadata})
 

@@ -25,6 +25,10 @@ i.e. the plain weighted sum when every component scored, and the same total weig
 components that did otherwise (renormalised, so an optional component's failure does not shift the reward's
 scale). A `required` component that raises or returns a non-finite score stops the step with an error naming
 it; a sample that no component scored stops the step too.
+
+A mix with a group reward among its components (`reward=group_diversity`, `vlm_judge` with `mode: groupwise`) is a
+group reward itself (`groupwise`): the stage gives it whole groups and their ids, which it passes to each group
+component; the per-sample components score the same samples as they always do.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from .base import (
     RewardOutput,
     build_reward,
     call_reward,
+    is_groupwise,
     media_len,
     pop_frame_sampling,
     register_reward,
@@ -114,6 +119,7 @@ class MixReward:
         self.inputs = tuple(sorted(set().union(*(reward_inputs(r) for r in self.rewards.values()))))
         media = set().union(*(reward_media(r) for r in self.rewards.values()))
         self.media = tuple(k for k in MEDIA_KINDS if k in media or (k == "video" and "images" in media))
+        self.groupwise = any(is_groupwise(r) for r in self.rewards.values())
         self.last_errors: dict[str, str] = {}
 
     @staticmethod
@@ -121,10 +127,10 @@ class MixReward:
         """(config key, {"name": ..., kwargs}) per component, for `polyrl.config.schema` to validate."""
         return [(f"reward.mix.{c.label}", {"name": c.reward, **c.kwargs}) for c in parse_mix(cfg.get("mix"))]
 
-    def _score_one(self, comp: Component, media, prompts, metadata, latents, n: int):
+    def _score_one(self, comp: Component, media, prompts, metadata, latents, n: int, group_ids=None):
         """(scores (n,) float64 with NaN where it failed, extras, error text or None)."""
         try:
-            out = call_reward(self.rewards[comp.label], media, prompts, metadata, latents)
+            out = call_reward(self.rewards[comp.label], media, prompts, metadata, latents, group_ids=group_ids)
             scores = torch.as_tensor(out.scores).detach().to("cpu", torch.float64).reshape(-1)
             if scores.numel() != n:
                 raise ValueError(f"returned {scores.numel()} scores for {n} samples")
@@ -140,7 +146,8 @@ class MixReward:
         scores = torch.where(bad, torch.full_like(scores, math.nan), scores)
         return scores, out.extras, (f"{int(bad.sum())} non-finite scores" if bad.any() else None)
 
-    def __call__(self, media, prompts, metadata, latents: torch.Tensor | None = None) -> RewardOutput:
+    def __call__(self, media, prompts, metadata, latents: torch.Tensor | None = None,
+                 group_ids: torch.Tensor | None = None) -> RewardOutput:
         n = media_len(media) if media is not None else int(latents.shape[0])
         if len(prompts) != n:
             raise ValueError(f"reward mix: got {n} samples but {len(prompts)} prompts")
@@ -148,7 +155,7 @@ class MixReward:
         columns, weights = [], []
         self.last_errors = {}
         for comp in self.components:
-            scores, comp_extras, error = self._score_one(comp, media, prompts, metadata, latents, n)
+            scores, comp_extras, error = self._score_one(comp, media, prompts, metadata, latents, n, group_ids)
             if error is not None:
                 self.last_errors[comp.label] = error
                 log.warning("reward.mix: optional component %r failed (excluded from the sum): %s", comp.label, error)

@@ -16,8 +16,16 @@ step k+1 is sampled would therefore sample step k+1 from one-update-old weights 
 Overlapping chunks of one step keeps every sample on-policy; what is not hidden is the decode + score of the
 last chunk (and everything, when the batch is one chunk: set `rollout.batch_size` below the step's samples).
 
-The overlapped schedule assumes a pointwise reward (a sample's score does not depend on the other samples of
-the call), which every built-in scorer is; with it both schedules give identical scores and training.
+The overlapped schedule of a pointwise reward (a sample's score does not depend on the other samples of the call)
+scores each chunk as it comes; both schedules then give identical scores and training.
+
+A group reward (`groupwise`, rewards/base.py) must see each prompt group whole, and a chunk of
+`rollout.batch_size` samples may end inside a group. Its overlapped schedule (`_GroupOverlapped`) keeps the chunks
+that came and, after each one, scores the groups that became complete (every member arrived), in one call: a
+group is never cut and never mixed with a partial group, whatever the chunking, so both schedules give the same
+scores. That needs the step's group ids at `begin`; without them the scoring waits for `finish` (then the whole
+batch in one call, grouped by `batch.group_ids`, as in the sync schedule). In a data-parallel run each rank holds
+whole groups (trainer `_sample_ids`), so a group reward runs per rank on its own groups.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import torch
 
 from ..batch import Rollout
 from ..media import primary
-from .base import RewardOutput, call_reward, reward_inputs
+from .base import RewardOutput, call_reward, group_members, is_groupwise, media_cat, media_take, reward_inputs
 
 
 class RewardUnavailable(RuntimeError):
@@ -53,7 +61,8 @@ def checked_scores(out: RewardOutput, name: str, n: int) -> torch.Tensor:
 def score_batch(reward, name: str, batch: Rollout) -> None:
     """Score the batch in one call (decoded media and/or latents, as the reward declares) and attach
     `rewards` and `reward_extras`."""
-    out = call_reward(reward, primary(batch.media), batch.prompts, batch.metadata, latents=reward_latents(batch.final))
+    out = call_reward(reward, primary(batch.media), batch.prompts, batch.metadata, latents=reward_latents(batch.final),
+                      group_ids=batch.group_ids)
     batch.rewards, batch.reward_extras = checked_scores(out, name, len(batch)), out.extras
 
 
@@ -146,6 +155,98 @@ class _Overlapped:
             f.cancel()
 
 
+class _GroupOverlapped:
+    """One step's overlapped scoring for a group reward: chunks are kept until groups are complete; each `put` submits
+    the groups it completed (one call for all of them) to the worker, `finish` puts the scores back in sample order.
+    """
+
+    def __init__(self, stage: RewardStage, prompts: list, metadata: list[dict], group_ids: torch.Tensor):
+        self.stage, self.prompts, self.metadata = stage, prompts, metadata
+        self.group_ids = torch.as_tensor(group_ids).reshape(-1).long().cpu()
+        if len(self.group_ids) != len(prompts):
+            raise ValueError(f"reward stage: {len(self.group_ids)} group ids for {len(prompts)} samples")
+        self.members = group_members(self.group_ids)
+        self.arrived = torch.zeros(len(prompts), dtype=torch.bool)
+        self.pending = list(range(len(self.members)))  # groups not yet submitted
+        self.chunks: list = []
+        self.futures: list[Future] = []
+        self.busy = {"time/reward": 0.0}
+
+    def put(self, chunk) -> None:
+        self.chunks.append(chunk)
+        self.arrived[chunk.index] = True
+        done = [g for g in self.pending if bool(self.arrived[self.members[g]].all())]
+        if not done:
+            return
+        self.pending = [g for g in self.pending if g not in done]
+        idx = [i for g in done for i in self.members[g]]  # group by group
+        self.futures.append(self.stage.executor.submit(self._work, idx, list(self.chunks)))
+
+    def _gather(self, idx: list[int], chunks: list):
+        """(media, final latents) of samples `idx`, in that order, from the chunks that hold them."""
+        media, final, order = [], [], []
+        for c in chunks:
+            local = [i - c.index.start for i in idx if c.index.start <= i < c.index.stop]
+            if not local:
+                continue
+            c.ready()  # the media are on the host
+            media.append(media_take(primary(c.media), local))
+            final.append({k: v[torch.as_tensor(local)] for k, v in c.final.items()})
+            order += [c.index.start + j for j in local]
+        pos = {i: p for p, i in enumerate(order)}
+        back = [pos[i] for i in idx]  # the chunks' order -> idx's order
+        cat = media_cat(media) if media and media[0] is not None else None
+        lat = {k: torch.cat([f[k] for f in final])[back] for k in final[0]} if final else {}
+        return (media_take(cat, back) if cat is not None else None), lat
+
+    def _work(self, idx: list[int], chunks: list):
+        with torch.no_grad():  # grad mode is per thread
+            t1 = time.perf_counter()
+            media, final = self._gather(idx, chunks)
+            out = call_reward(self.stage.reward, media, [self.prompts[i] for i in idx],
+                              [self.metadata[i] for i in idx], latents=reward_latents(final) if final else None,
+                              group_ids=self.group_ids[idx])
+            scores = checked_scores(out, self.stage.name, len(idx))
+        self.busy["time/reward"] += time.perf_counter() - t1
+        return idx, scores, out.extras
+
+    def finish(self, batch: Rollout, timer: WallTimer | None = None) -> dict[str, float]:
+        timer = timer or WallTimer()
+        try:
+            with timer("reward_wait"):
+                results = [f.result() for f in self.futures]
+        finally:
+            self.cancel()
+        n = len(batch)
+        if self.pending or sum(len(i) for i, _, _ in results) != n:
+            raise RuntimeError(f"the group reward scored {sum(len(i) for i, _, _ in results)} of {n} samples "
+                               f"({len(self.pending)} groups never completed): the rollout did not hand every chunk "
+                               "to the reward stage")
+        batch.rewards = torch.empty(n, dtype=torch.float32)
+        for idx, scores, _ in results:
+            batch.rewards[idx] = scores
+        batch.reward_extras = scatter_extras([(idx, e) for idx, _, e in results], n)
+        for k, v in self.busy.items():
+            timer.times[k] = timer.times.get(k, 0.0) + v
+        return timer.times
+
+    def cancel(self) -> None:
+        for f in self.futures:
+            f.cancel()
+
+
+def scatter_extras(parts: list[tuple[list[int], dict]], n: int) -> dict[str, list]:
+    """Per-sample extras of calls over sample sets `idx` -> one list per name in sample order (None where a call
+    did not produce that name)."""
+    out: dict[str, list] = {}
+    for idx, extras in parts:
+        for k, v in extras.items():
+            column = out.setdefault(k, [None] * n)
+            for i, x in zip(idx, _as_list(v, len(idx)), strict=True):
+                column[i] = x
+    return out
+
+
 class _Sync:
     def put(self, chunk) -> None:
         pass  # scored whole in `finish`
@@ -174,10 +275,17 @@ class RewardStage:
     def __init__(self, reward, name: str, overlap: bool = False):
         self.reward, self.name, self.overlap = reward, name, overlap
         self.reads_media = "images" in reward_inputs(reward)
+        self.groupwise = is_groupwise(reward)
         # one worker: chunks are scored in order and the reward is never called concurrently
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyrl-reward") if overlap else None
 
-    def begin(self, prompts: list, metadata: list[dict]):
+    def begin(self, prompts: list, metadata: list[dict], group_ids: torch.Tensor | None = None):
+        """`group_ids` (this rank's samples'): what lets a group reward be scored chunk by chunk (whole groups);
+        without them a group reward is scored at `finish`."""
+        if self.overlap and self.groupwise:
+            if group_ids is None:
+                return _Sync(self)
+            return _GroupOverlapped(self, list(prompts), list(metadata), group_ids)
         if self.overlap:
             return _Overlapped(self, list(prompts), list(metadata))
         return _Sync(self)

@@ -16,6 +16,13 @@ of one turn [*sources, frame_1 .. frame_N, question] (`DEFAULT_VIDEO_TEMPLATE` b
 The key is `video_frames`, not `frames`: `frames` is the frame sampling `call_reward` applies to image scorers, and
 this reward reads video itself.
 
+Groupwise mode (`mode: groupwise`; a group reward, rewards/base.py): the judge sees a prompt's whole group in one
+turn [image_1 .. image_n, question] (`DEFAULT_GROUP_TEMPLATE`, with `{prompt}` and `{n}`) and answers a ranking,
+best first: "Ranking: 3, 1, 2". The answer's integers after the last "ranking" (any case; the whole answer when the
+word is absent) must be a permutation of 1..n (`parse_ranking`); image k at rank r (0 = best) scores
+1 − r / (n − 1) (`rank_scores`; docs/rewards.md "vlm_judge groupwise"), a group of one scores 0.5. An answer that
+is no permutation follows `on_unparseable` for the whole group. Images only (video: use the pointwise mode).
+
 Default pattern: `score` (any case), optional `:` or `=`, then a number, e.g. "Score: 7", "score = 3.5".
 With `score_range: [lo, hi]` a value outside it counts as unparseable and the score is (v - lo) / (hi - lo).
 An unparseable answer is never a 0: `on_unparseable=error` (default) stops with the answer's text;
@@ -35,7 +42,9 @@ from ..models.base import prompt_text
 from .base import (
     RewardOutput,
     check_batch,
+    checked_group_ids,
     frame_indices,
+    group_members,
     image_batch_as_uint8,
     media_kind,
     register_reward,
@@ -51,6 +60,9 @@ DEFAULT_EDIT_TEMPLATE = ('The first image is the original, the last is the resul
                          'original? Rate it from 0 to 10 and answer in the form "Score: N".')
 DEFAULT_VIDEO_TEMPLATE = ('These images are frames of one video, in order. How well does the video show "{prompt}", '
                           'including its motion? Rate it from 0 to 10 and answer in the form "Score: N".')
+DEFAULT_GROUP_TEMPLATE = ('These {n} images were generated for "{prompt}", numbered 1 to {n} in order. Rank them '
+                          'from best to worst and answer in the form "Ranking: i, j, ...", listing every number once.')
+MODES = ("pointwise", "groupwise")
 DEFAULT_PATTERN = r"(?i)score\s*[:=]?\s*(-?\d+(?:\.\d+)?)"
 UNPARSEABLE = ("error", "exclude")
 
@@ -75,6 +87,27 @@ def parse_score(answer: str, pattern: str | re.Pattern, score_range=None) -> flo
     return value
 
 
+def parse_ranking(answer: str, n: int) -> list[int] | None:
+    """The ranking (0-based image indices, best first) in a groupwise answer: the integers after the last
+    "ranking" (any case), else all integers of the answer; None unless they are a permutation of 1..n."""
+    at = answer.lower().rfind("ranking")
+    numbers = [int(x) for x in re.findall(r"\d+", answer[at:] if at >= 0 else answer)]
+    if sorted(numbers) != list(range(1, n + 1)):
+        return None
+    return [k - 1 for k in numbers]
+
+
+def rank_scores(ranking: list[int]) -> list[float]:
+    """Per image (in image order) 1 − r / (n − 1), r its 0-based rank in `ranking` (best first); 0.5 when n = 1
+    (docs/rewards.md, "vlm_judge groupwise")."""
+    n = len(ranking)
+    scores = [0.5] * n
+    if n > 1:
+        for r, k in enumerate(ranking):
+            scores[k] = 1.0 - r / (n - 1)
+    return scores
+
+
 class LocalVLM:
     """A local VLM and its processor; `inputs(images, questions)` builds one chat turn per image."""
 
@@ -97,12 +130,15 @@ class LocalVLM:
         else:
             raise ValueError(f"VLM scorers score images (B, 3, H, W), got {tuple(images.shape)}")
         sources = sources or [[] for _ in questions]
-        chats = [[{"role": "user", "content": [{"type": "image"}] * (len(src) + len(own))
-                   + [{"type": "text", "text": q}]}]
-                 for q, src, own in zip(questions, sources, per_sample, strict=True)]
+        return self.turns([[*src, *own] for src, own in zip(sources, per_sample, strict=True)], questions)
+
+    def turns(self, pictures: list[list], questions: list[str]) -> dict:
+        """One chat turn per question: [its pictures (uint8 (H, W, 3) arrays) in order, question]."""
+        chats = [[{"role": "user", "content": [{"type": "image"}] * len(pics) + [{"type": "text", "text": q}]}]
+                 for q, pics in zip(questions, pictures, strict=True)]
         text = self.processor.apply_chat_template(chats, add_generation_prompt=True, tokenize=False)
-        pictures = [p for src, own in zip(sources, per_sample, strict=True) for p in (*src, *own)]
-        batch = self.processor(text=text, images=pictures, return_tensors="pt", padding=True)
+        batch = self.processor(text=text, images=[p for pics in pictures for p in pics], return_tensors="pt",
+                               padding=True)
         return {k: (v.to(self.device, self.dtype) if torch.is_floating_point(v) else v.to(self.device))
                 for k, v in batch.items()}
 
@@ -117,7 +153,16 @@ class VLMJudge:
     def __init__(self, path: str, template: str | None = None, pattern: str = DEFAULT_PATTERN,
                  score_range: list | None = None, on_unparseable: str = "error", max_new_tokens: int = 32,
                  device: str = "auto", dtype: str = "float32", source_key: str | None = None,
-                 video_frames: int = 8, video_template: str | None = None):
+                 video_frames: int = 8, video_template: str | None = None, mode: str = "pointwise",
+                 group_template: str | None = None):
+        if mode not in MODES:
+            raise ValueError(f"vlm_judge: mode={mode!r} is not valid; allowed: {', '.join(MODES)}")
+        self.mode, self.groupwise = mode, mode == "groupwise"
+        self.group_template = group_template or DEFAULT_GROUP_TEMPLATE
+        if "{prompt}" not in self.group_template:
+            raise ValueError("vlm_judge: group_template must contain {prompt}")
+        if self.groupwise and source_key is not None:
+            raise ValueError("vlm_judge: mode=groupwise does not take source_key (edit judging is pointwise)")
         if isinstance(video_frames, bool) or not isinstance(video_frames, int) or video_frames < 1:
             raise ValueError(f"vlm_judge: video_frames={video_frames!r} must be an integer >= 1")
         self.video_frames = video_frames
@@ -174,14 +219,48 @@ class VLMJudge:
     def answers(self, images: torch.Tensor, prompts: list, sources: list[list] | None = None) -> list[str]:
         template = self.video_template if images.ndim == 5 else self.template
         questions = [template.replace("{prompt}", prompt_text(p)) for p in prompts]
-        batch = self.vlm.inputs(images, questions, sources)
+        return self._generate(self.vlm.inputs(images, questions, sources))
+
+    @torch.no_grad()
+    def group_answers(self, images: torch.Tensor, prompts: list, groups: list[list[int]]) -> list[str]:
+        """One answer per group: its members' images in one turn with the group question."""
+        pictures = image_batch_as_uint8(images)
+        questions = [self.group_template.replace("{prompt}", prompt_text(prompts[m[0]])).replace("{n}", str(len(m)))
+                     for m in groups]
+        batch = self.vlm.turns([[pictures[i] for i in m] for m in groups], questions)
+        return self._generate(batch)
+
+    def _generate(self, batch: dict) -> list[str]:
         tok, gen = self.vlm.processor.tokenizer, self.vlm.model.generation_config
         out = self.vlm.model.generate(**batch, max_new_tokens=self.max_new_tokens, do_sample=False,
                                       eos_token_id=gen.eos_token_id if gen.eos_token_id is not None else tok.eos_token_id,
                                       pad_token_id=gen.pad_token_id if gen.pad_token_id is not None else tok.pad_token_id)
         return self.vlm.processor.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
 
-    def __call__(self, images, prompts, metadata=None) -> RewardOutput:
+    def score_groups(self, images, prompts, metadata, group_ids) -> RewardOutput:
+        """Groupwise mode: rank each group, scores from the ranks (module docstring)."""
+        n = int(images.shape[0])
+        check_batch("vlm_judge", n, prompts, metadata)
+        if media_kind(images) != "images":
+            raise ValueError("vlm_judge: mode=groupwise judges images; score video with the pointwise mode")
+        groups = group_members(checked_group_ids(self, group_ids, n))
+        self.last_answers = self.group_answers(images, prompts, groups)
+        scores, unparseable = torch.full((n,), math.nan), [0.0] * n
+        for members, answer in zip(groups, self.last_answers, strict=True):
+            ranking = parse_ranking(answer, len(members))
+            if ranking is None:
+                if self.on_unparseable == "error":
+                    raise ValueError(f"vlm_judge: the groupwise answer for a group of {len(members)} is not a "
+                                     f"ranking of 1..{len(members)}: {answer!r}")
+                for i in members:
+                    unparseable[i] = 1.0
+                continue
+            scores[members] = torch.tensor(rank_scores(ranking))
+        return RewardOutput(scores.float(), {"vlm_judge/unparseable": unparseable})
+
+    def __call__(self, images, prompts, metadata=None, group_ids=None) -> RewardOutput:
+        if self.groupwise:
+            return self.score_groups(images, prompts, metadata, group_ids)
         metadata = check_batch("vlm_judge", images.shape[0], prompts, metadata)
         if media_kind(images) == "video":
             images = self.sample_frames(images)

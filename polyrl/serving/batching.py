@@ -14,6 +14,10 @@ holds up to `max_batch * K` images.
 Images and video wait as uint8 (what the server decoded); a call's share is turned into float32 in [0, 1] in
 the scorer's thread just before the scorer runs, so at most one call's float copy exists at a time.
 
+A request with `groups` (a group reward's: each group's members contiguous) is cut only between groups (a group
+larger than a call is a piece of its own), and a call's group ids are made distinct across its requests, so a
+group reward gets every member of each group in the call and no sample of another request's group as its own.
+
 If a merged call raises, each of its requests is scored again alone, so an error is reported to the request
 that caused it and the others still get their scores.
 """
@@ -65,10 +69,29 @@ def scorer_input(parts: list):
     return media_cat(parts)
 
 
-def score_call(reward, parts: list, prompts: list[str], metadata: list[dict]) -> RewardOutput:
+def score_call(reward, parts: list, prompts: list[str], metadata: list[dict],
+               group_ids: torch.Tensor | None = None) -> RewardOutput:
     """One scorer call, in the scorer's thread (the batch is assembled there too, off the server's event loop):
     the float copy lives only as long as the call."""
-    return call_reward(reward, scorer_input(parts), prompts, metadata)
+    return call_reward(reward, scorer_input(parts), prompts, metadata, group_ids=group_ids)
+
+
+def group_pieces(groups: list | None, n: int, step: int) -> list[tuple[int, int]]:
+    """(start, stop) pieces of at most `step` samples; with `groups` (members contiguous) cut between groups only."""
+    if groups is None:
+        return [(start, min(n, start + step)) for start in range(0, n, step)]
+    runs, start = [], 0
+    for i in range(1, n + 1):
+        if i == n or groups[i] != groups[start]:
+            runs.append((start, i))
+            start = i
+    pieces: list[tuple[int, int]] = []
+    for a, b in runs:
+        if pieces and b - pieces[-1][0] <= step:
+            pieces[-1] = (pieces[-1][0], b)
+        else:
+            pieces.append((a, b))
+    return pieces
 
 
 @dataclass(eq=False)  # compared by identity (a field-wise == would compare the media tensors)
@@ -84,6 +107,7 @@ class _Job:
     remaining: int = 0  # pieces not yet scored
     served: int = 0  # work taken into calls so far (pixels; samples for audio): the scheduling priority
     key: tuple = ()  # media_key(media): only pieces of one key are merged
+    groups: list | None = None  # per-sample group ids of a group reward's request
 
 
 @dataclass(eq=False)
@@ -158,14 +182,15 @@ class BatchingScorer:
         pixels = sample_pixels(media)
         return min(self.max_batch, max(1, self.max_call_pixels // pixels)) if pixels else self.max_batch
 
-    async def score(self, media, prompts: list[str], metadata: list[dict]) -> tuple[list, dict, dict]:
-        """(scores, per-sample extras, other extras) for one request."""
+    async def score(self, media, prompts: list[str], metadata: list[dict],
+                    groups: list | None = None) -> tuple[list, dict, dict]:
+        """(scores, per-sample extras, other extras) for one request; `groups`: its per-sample group ids."""
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._run())
         n, step = media_len(media), self.samples_per_call(media)
         job = _Job(media, prompts, metadata, asyncio.get_running_loop().create_future(), next(self._arrivals),
-                   [None] * n, key=media_key(media))
-        job.pending = [_Piece(job, start, min(n, start + step)) for start in range(0, n, step)]
+                   [None] * n, key=media_key(media), groups=groups)
+        job.pending = [_Piece(job, start, stop) for start, stop in group_pieces(groups, n, step)]
         job.remaining = len(job.pending)
         self._jobs.append(job)
         self.stats["requests"] += 1
@@ -254,10 +279,17 @@ class BatchingScorer:
         parts = [media_slice(p.job.media, p.start, p.stop) for p in batch]
         prompts = [x for p in batch for x in p.job.prompts[p.start : p.stop]]
         metadata = [x for p in batch for x in p.job.metadata[p.start : p.stop]]
+        group_ids = None
+        if any(p.job.groups is not None for p in batch):  # distinct ids across the call's requests
+            labels = [(p.job.arrival, p.job.groups[i] if p.job.groups is not None else ("sample", i))
+                      for p in batch for i in range(p.start, p.stop)]
+            dense: dict = {}
+            group_ids = torch.tensor([dense.setdefault(x, len(dense)) for x in labels], dtype=torch.long)
         self.stats["scorer_calls"] += 1
         self.stats["peak_call_pixels"] = max(self.stats["peak_call_pixels"], sum(p.pixels for p in batch))
         try:
-            out = await loop.run_in_executor(self._executor, score_call, self.reward, parts, prompts, metadata)
+            out = await loop.run_in_executor(self._executor, score_call, self.reward, parts, prompts, metadata,
+                                             group_ids)
         except ValueError as e:
             raise ScorerFailed(f"the scorer rejected the input: {type(e).__name__}: {e}", rejected_input=True) from e
         except Exception as e:

@@ -11,6 +11,11 @@ The media field is exactly one of (codec: `polyrl.rewards.codec`):
     "audio":  [base64 WAV (16-bit PCM), ...]                  one rate, channels, length -> Audio
     "texts":  [string, ...]                                   a token policy's responses -> list[str]
 
+A served group reward (`"groupwise": true` in /health; docs/rewards.md "Group rewards") needs `"groups": [id, ...]`,
+one id (an integer or a string) per sample, each group's members next to each other and the request holding every
+member of its groups: a request without it is refused (422). Any server accepts `groups`; a per-sample reward
+ignores it. Requests are never cut inside a group, and groups of different requests never share an id in a call.
+
 and the reward is called through `call_reward`: an image scorer scores video by its sampled frames
 (`reward.frames`), audio reaches only a reward that reads audio.
 
@@ -45,7 +50,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ..rewards.base import reward_inputs, reward_media
+from ..rewards.base import is_groupwise, reward_inputs, reward_media
 from ..rewards.codec import (
     MediaDecodeError,
     MediaTooLarge,
@@ -122,6 +127,7 @@ class _Request:
     prompts: list[str]
     metadata: list[dict]
     pixels: int  # what its images / frames decode to (width * height summed), 0 for audio
+    groups: list | None = None  # per-sample group ids (members contiguous), for a group reward
 
 
 def _read_headers(field: str, items: list, limits: ServerLimits) -> tuple[list, int]:
@@ -189,10 +195,32 @@ def _decode(request: _Request, limits: ServerLimits):
     return pixels.permute(0, 3, 1, 2) if field == "images" else pixels.permute(0, 1, 4, 2, 3)
 
 
-def _parse_request(body: bytes, limits: ServerLimits, accepted: list[str] | None = None) -> _Request:
+def check_groups(groups, n: int, required: bool) -> list | None:
+    """The request's `groups` (one id per sample, members contiguous), checked; 422 naming what is wrong."""
+    if groups is None:
+        if required:
+            raise _HTTPError(422, "this server's reward scores whole prompt groups: send 'groups' (one group id per "
+                                  "sample, each group's members next to each other; reward=http does this with "
+                                  "reward.groupwise=true)")
+        return None
+    if not isinstance(groups, list) or not all(isinstance(g, int | str) and not isinstance(g, bool) for g in groups):
+        raise _HTTPError(422, "'groups' must be a list of integers or strings (one group id per sample)")
+    if len(groups) != n:
+        raise _HTTPError(422, f"got {n} samples but {len(groups)} group ids")
+    seen, prev = set(), object()
+    for i, g in enumerate(groups):
+        if g != prev and g in seen:
+            raise _HTTPError(422, f"groups[{i}]: the members of group {g!r} are not next to each other")
+        seen.add(g)
+        prev = g
+    return groups
+
+
+def _parse_request(body: bytes, limits: ServerLimits, accepted: list[str] | None = None,
+                   groupwise: bool = False) -> _Request:
     """JSON body -> the checked request with its files' headers read; raises _HTTPError with the reason.
     `accepted`: the media fields the served reward reads (a request for another kind is refused before anything
-    is decoded)."""
+    is decoded); `groupwise`: the reward scores whole groups (`groups` required)."""
     try:
         data = json.loads(body)
     except RecursionError:  # e.g. a million nested '[': the parser's depth guard, not a server bug
@@ -201,7 +229,7 @@ def _parse_request(body: bytes, limits: ServerLimits, accepted: list[str] | None
         raise _HTTPError(400, f"malformed JSON: {e}") from None
     if not isinstance(data, dict):
         raise _HTTPError(422, f"the body must be a JSON object, got {type(data).__name__}")
-    allowed = [*MEDIA_FIELDS, "prompts", "metadata"]
+    allowed = [*MEDIA_FIELDS, "prompts", "metadata", "groups"]
     unknown = sorted(set(data) - set(allowed))
     if unknown:
         raise _HTTPError(422, f"unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
@@ -229,8 +257,9 @@ def _parse_request(body: bytes, limits: ServerLimits, accepted: list[str] | None
         raise _HTTPError(422, "'metadata' must be a list of objects")
     if len(metadata) != len(items):
         raise _HTTPError(422, f"got {len(items)} {field} but {len(metadata)} metadata entries")
+    groups = check_groups(data.get("groups"), len(items), groupwise)
     files, pixels = _read_headers(field, items, limits)
-    return _Request(field, files, prompts, metadata, pixels)
+    return _Request(field, files, prompts, metadata, pixels, groups)
 
 
 class InflightPixels:
@@ -263,6 +292,7 @@ def create_app(reward, name: str = "reward", limits: ServerLimits | None = None,
     `BackgroundServer`: they apply the connection limits in `limits` (kept as `app.state.limits`)."""
     limits = limits or ServerLimits()
     accepted = accepted_media(reward)
+    groupwise = is_groupwise(reward)
     inflight = InflightPixels(limits.max_inflight_pixels)
     state: dict = {}
 
@@ -290,7 +320,8 @@ def create_app(reward, name: str = "reward", limits: ServerLimits | None = None,
     @app.get("/health")
     async def health():
         stats = {**(state["scorer"].stats if "scorer" in state else {}), **inflight.stats}
-        return {"status": "ok", "reward": name, "media": accepted, "limits": asdict(limits), "stats": stats}
+        return {"status": "ok", "reward": name, "media": accepted, "groupwise": groupwise, "limits": asdict(limits),
+                "stats": stats}
 
     async def read_body(request: Request, rid: str) -> bytes | JSONResponse:
         """The body, or the error that ends the request: 413 over the size limit, 408 past the deadline (the
@@ -322,7 +353,7 @@ def create_app(reward, name: str = "reward", limits: ServerLimits | None = None,
         if isinstance(body, JSONResponse):
             return body
         try:
-            parsed = await asyncio.to_thread(_parse_request, body, limits, accepted)
+            parsed = await asyncio.to_thread(_parse_request, body, limits, accepted, groupwise)
         except _HTTPError as e:
             return error(e.status, e.detail, rid)
         del body  # the files keep what they need
@@ -337,7 +368,8 @@ def create_app(reward, name: str = "reward", limits: ServerLimits | None = None,
                 return error(e.status, e.detail, rid)
             parsed.items = []  # the encoded files are no longer needed while the request waits to be scored
             try:
-                scores, per_sample, other = await scorer().score(media, parsed.prompts, parsed.metadata)
+                scores, per_sample, other = await scorer().score(media, parsed.prompts, parsed.metadata,
+                                                                 parsed.groups)
             except ScorerFailed as e:
                 return error(422 if e.rejected_input else 500, str(e), rid)
         finally:
