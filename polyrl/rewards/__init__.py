@@ -13,6 +13,7 @@ from . import (  # noqa: F401  (register the built-in scorers)
     ocr,
     pickscore,
     preservation,
+    rewrite_render,
     rules,
     shapes,
     speech,
