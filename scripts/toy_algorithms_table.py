@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ALGOS = ["flow_grpo", "flow_grpo_cps", "flow_dppo", "grpo_guard", "dance_grpo", "mix_grpo", "diffusion_nft",
-         "diffusion_opd", "diffusion_dpo"]
+         "diffusion_opd", "diffusion_dpo", "dgpo", "awm"]
 
 
 def evals(run: Path) -> dict[int, float]:

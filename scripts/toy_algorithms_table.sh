@@ -17,5 +17,5 @@ run() {  # algo seed [overrides...]
 pair() { run "$1" 0 "${@:2}" & run "$1" 1 "${@:2}" & wait; }
 pair flow_grpo
 TEACHER="$ROOT/flow_grpo_s0/checkpoints/step_000030"
-for algo in flow_grpo_cps flow_dppo grpo_guard dance_grpo mix_grpo diffusion_nft diffusion_dpo; do pair $algo; done
+for algo in flow_grpo_cps flow_dppo grpo_guard dance_grpo mix_grpo diffusion_nft diffusion_dpo dgpo awm; do pair $algo; done
 pair diffusion_opd algorithm.teacher_path=$TEACHER

@@ -44,11 +44,14 @@ CASES = {
     "diffusion_nft": ["algorithm=diffusion_nft", "rollout.noise_level=0.0", "rollout.guidance_scale=1.0",
                       "algorithm.ref_coef=0.1"],
     "diffusion_dpo": ["algorithm=diffusion_dpo"],
+    "dgpo": ["algorithm=dgpo", "rollout.noise_level=0.0", "algorithm.kl_beta=0.1", "algorithm.num_timesteps=2"],
+    "awm": ["algorithm=awm", "algorithm.kl_beta=0.1", "algorithm.num_timesteps=2"],
 }
 KEYS = {
     "flow_grpo_cps": ("clip_frac", "kl"), "flow_grpo_dance": ("clip_frac",), "flow_dppo": ("drop_frac", "kl"),
     "grpo_guard": ("clip_frac", "kl"), "dance_grpo": ("clip_frac",), "mix_grpo": ("clip_frac",),
     "diffusion_nft": ("nft/err_pos", "ref_mse"), "diffusion_dpo": ("dpo/accuracy",),
+    "dgpo": ("clip_frac", "dgpo/group_weight", "kl"), "awm": ("clip_frac", "kl"),
 }
 
 
@@ -89,6 +92,19 @@ def test_opd_teacher_from_polyrl_checkpoint(tiny_sd3_dir, shape_prompts_file, tm
     assert main(_args(tiny_sd3_dir, shape_prompts_file, out, 1,
                       ["algorithm=diffusion_opd", f"algorithm.teacher_path={ckpt}"])) == 0
     assert _metrics(out)[0]["distill_kl"] > 0  # a trained teacher differs from the untrained student
+    # two teachers routed by the prompts' `teacher` column: the base (a diffusers directory) and the trained one
+    prompts = tmp_path / "routed.jsonl"
+    lines = shape_prompts_file.read_text().splitlines()[:2]
+    prompts.write_text(f'{{"prompt": "{lines[0]}", "teacher": "base"}}\n{{"prompt": "{lines[1]}", "teacher": "trained"}}\n')
+    out = tmp_path / "student2"
+    teachers = f"algorithm.teachers=[{{path:{tiny_sd3_dir},key:base}},{{path:{ckpt},key:trained,weight:2.0}}]"
+    assert main(_args(tiny_sd3_dir, prompts, out, 1, ["algorithm=diffusion_opd", teachers,
+                                                      "actor.num_minibatches=1"])) == 0
+    row = _metrics(out)[0]
+    assert row["distill_kl/teacher0"] == pytest.approx(0.0, abs=1e-10)  # the base = the untrained student
+    assert row["distill_kl/teacher1"] > 0
+    # 2 samples per teacher of 4: mean_i Σ_j w_j·m_ji·KL_ji = (0 + 2·2·KL_1)/4 = the trained teacher's mean KL
+    assert row["distill_kl"] == pytest.approx(row["distill_kl/teacher1"], rel=1e-5)
 
 
 def test_bad_teacher_path_is_a_clear_error(tiny_sd3_dir, shape_prompts_file, tmp_path, capsys):
@@ -139,10 +155,16 @@ def test_deterministic_runs_are_identical(tiny_sd3_dir, shape_prompts_file, tmp_
     assert len(ra) == 3 and ra == rb  # bitwise: JSON floats round-trip exactly
 
 
-def test_nft_resume_matches_uninterrupted_run(tiny_sd3_dir, shape_prompts_file, tmp_path):
+RESUMED = {  # the old copy moves after every update (NFT) or after every optimizer step (DGPO)
+    "diffusion_nft": ["algorithm=diffusion_nft", "algorithm.decay=0.5", "algorithm.decay_slope=0.1"],
+    "dgpo": ["algorithm=dgpo", "algorithm.num_timesteps=1", "algorithm.ema_ramp_rate=0.2"],
+}
+
+
+@pytest.mark.parametrize("algo", sorted(RESUMED))
+def test_resume_with_old_copy_matches_uninterrupted_run(tiny_sd3_dir, shape_prompts_file, tmp_path, algo):
     """The EMA (old) copy and its update count are checkpointed: 2 + 1 steps == 3 steps, weights bitwise."""
-    extra = ["trainer.deterministic=true", "trainer.save_every=1", "algorithm=diffusion_nft",
-             "rollout.noise_level=0.0", "algorithm.decay=0.5", "algorithm.decay_slope=0.1"]
+    extra = ["trainer.deterministic=true", "trainer.save_every=1", "rollout.noise_level=0.0", *RESUMED[algo]]
     full, split = tmp_path / "full", tmp_path / "split"
     assert main(_args(tiny_sd3_dir, shape_prompts_file, full, 3, extra)) == 0
     assert main(_args(tiny_sd3_dir, shape_prompts_file, split, 2, extra)) == 0

@@ -36,7 +36,7 @@ class FSDP2Actor(LocalActor):
         local_grads = []
         for name, network in networks.items():
             local_grads += self._parallelize(network, plans.get(name), dtype)
-        for frozen in (self.reference_models, self.teacher_models):
+        for frozen in (self.reference_models, *self.teachers):
             for name, network in (frozen or {}).items():
                 self._parallelize(network, plans.get(name), dtype)
         self._tp_local = [p for m in local_grads for p in m.parameters() if p.requires_grad]
@@ -124,7 +124,7 @@ class FSDP2Actor(LocalActor):
             load_sharded(directory / DCP_DIR, state)
         else:
             self._load_full(directory)
-        self.num_updates = int(meta.get("updates", 0))
+        self.num_updates, self.optimizer_steps = int(meta.get("updates", 0)), int(meta.get("optimizer_steps", 0))
 
     @torch.no_grad()
     def _load_full(self, directory: Path) -> None:

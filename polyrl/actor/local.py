@@ -3,7 +3,8 @@
 The actor owns the trainable weights and the optimisation loop over mini-batches; the algorithm supplies the
 per-term loss. It is also the `PolicyEvaluator` the algorithm calls to re-score stored transitions under a named
 policy: `current`, `reference` (LoRA disabled / frozen initial copy), `old` (an EMA copy of the trainable weights,
-swapped in and out) and `teacher` (a frozen network loaded from `algorithm.teacher_path`). What exists is decided
+swapped in and out) and `teacher` (a frozen network loaded from `algorithm.teacher_path`; `teacher:<j>` the j-th of
+several, `algorithm.teachers`). What exists is decided
 by the algorithm's declarations (needs_reference, needs_old, teacher_path) and `actor.ema_decay`.
 
 Rollout correction (docs/algorithms.md §4) happens here too, before the first optimizer step of an update: `bypass`
@@ -92,6 +93,14 @@ def load_teacher(path: str | Path, base: dict[str, torch.nn.Module]) -> dict[str
     return {k: t.to(next(base[k].parameters()).device).requires_grad_(False).eval() for k, t in teacher.items()}
 
 
+def teacher_paths(algo) -> list[str]:
+    """The frozen teachers an algorithm names: `teacher_paths` (several), else its one `teacher_path`, else none."""
+    paths = getattr(algo, "teacher_paths", None)
+    if paths:
+        return list(paths)
+    return [algo.teacher_path] if algo.teacher_path else []
+
+
 def correction_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, cap: float,
                        bounds: tuple[float, float] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoupled correction (§4): (w = min(exp(log p_old − log p_rollout), cap), rejection mask of bounds)."""
@@ -131,6 +140,32 @@ def mean_stats(stats: dict[str, list], engine: LocalEngine | None = None) -> dic
 def micro_batch_samples(micro_batch_size: int | None, minibatch_samples: int) -> int:
     """Samples per training forward: `actor.micro_batch_size`, or (unset) this rank's whole mini-batch."""
     return micro_batch_size or max(minibatch_samples, 1)
+
+
+def group_minibatches(group_ids: torch.Tensor, num_minibatches: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """Shuffled mini-batches of whole prompt groups (`algo.whole_groups`): the groups in a random order, split into
+    min(num_minibatches, groups) chunks; each chunk is its groups' sample indices, a group's in batch order."""
+    ids = group_ids.cpu()
+    groups = torch.unique(ids)
+    order = groups[torch.randperm(len(groups), generator=generator)]
+    return [torch.cat([torch.nonzero(ids == g).flatten() for g in chunk])
+            for chunk in order.chunk(min(num_minibatches, len(groups)))]
+
+
+def group_micro_batches(idx: torch.Tensor, group_ids: torch.Tensor, micro: int) -> list[torch.Tensor]:
+    """`idx` (whole groups, each contiguous) split into micro-batches of whole groups of at most `micro` samples,
+    or one group where a group alone is larger."""
+    ids = group_ids.cpu()[idx.cpu()]
+    parts, start, end = [], 0, 0
+    while end < len(idx):
+        g_end = end + int((ids[end:] == ids[end]).long().cumprod(0).sum())  # the end of the group starting at `end`
+        if g_end - start > micro and end > start:
+            parts.append(idx[start:end])
+            start = end
+        end = g_end
+    if end > start:
+        parts.append(idx[start:end])
+    return parts
 
 
 def _offsets(sizes: list[int]) -> list[int]:
@@ -182,8 +217,13 @@ class LocalActor:
         self.correction = correction or DEFAULT_CORRECTION
         self.bounds = None if self.correction.log_ratio_bounds is None else tuple(map(float, self.correction.log_ratio_bounds))
         self._init_sampler(plan)
+        if getattr(algo, "whole_groups", False) and self.engine.dp_size > 1:
+            raise UserError(f"algorithm={type(algo).__name__} needs every prompt group's samples in one micro-batch and "
+                            f"runs on one data-parallel rank; this run has {self.engine.dp_size}")
         networks = adapter.modules()
-        self.teacher_models = load_teacher(algo.teacher_path, networks) if algo.teacher_path else None
+        # frozen teachers: `teacher` (the first) and `teacher:<j>` (multi-teacher distillation, algo.teacher_paths)
+        self.teachers = [load_teacher(path, networks) for path in teacher_paths(algo)]
+        self.teacher_models = self.teachers[0] if self.teachers else None
         self.lora = cfg.lora_rank > 0
         self.lora_targets = list(cfg.lora_targets) if cfg.lora_targets else list(adapter.default_lora_targets)
         self.reference_models = None
@@ -214,6 +254,7 @@ class LocalActor:
         keep_old = algo.needs_old or self.ema_decay > 0
         self.old_params = [p.detach().clone() for p in self.params] if keep_old else None
         self.num_updates = 0
+        self.optimizer_steps = 0  # the old copy's clock when the algorithm moves it every optimizer step
         self.generator = torch.Generator().manual_seed(0)
         self._masked: list = []
         self._dummy = False  # a padding micro-batch (see `_lockstep`) is running: record nothing
@@ -237,8 +278,14 @@ class LocalActor:
 
     def _init_sampler(self, plan) -> None:
         """What re-scoring a stored transition needs from the plan (diffusion: σ_1 and the step function)."""
-        self.sigma_1 = stream_sigma_1(self.adapter, self.adapter.sigmas(plan.num_steps, plan.shape))
+        self._sigma_grid = self.adapter.sigmas(plan.num_steps, plan.shape)
+        self.sigma_1 = stream_sigma_1(self.adapter, self._sigma_grid)
         self.step_fn = STEPS[plan.step]
+
+    def sigma_grid(self) -> torch.Tensor:
+        """The rollout's sampling grid σ_0 = 1 > … > σ_N = 0 (float32, N + 1 values): forward-process losses that
+        train at the grid's own steps (DGPO, AWM: Flow-Factory's `discrete` time sampling) draw their σ from it."""
+        return self._sigma_grid
 
     @property
     def num_trainable(self) -> int:
@@ -292,11 +339,14 @@ class LocalActor:
             return self.reference()
         if name == "old":
             return self._swap_old()
-        if name == "teacher":
-            if self.teacher_models is None:
+        if name == "teacher" or name.startswith("teacher:"):
+            j = int(name.partition(":")[2] or 0)
+            if not self.teachers:
                 raise RuntimeError("the `teacher` policy needs algorithm.teacher_path")
-            return self._swap_networks(self.teacher_models)
-        raise ValueError(f"unknown policy {name!r}; allowed: current, reference, old, teacher")
+            if not 0 <= j < len(self.teachers):
+                raise ValueError(f"policy {name!r}: this run has {len(self.teachers)} teacher(s)")
+            return self._swap_networks(self.teachers[j])
+        raise ValueError(f"unknown policy {name!r}; allowed: current, reference, old, teacher, teacher:<j>")
 
     def sampling_policy(self):
         """The policy the rollout samples from: `old` for algorithms that declare samples_from_old."""
@@ -406,15 +456,20 @@ class LocalActor:
         # the mini-batch normalisation: by samples, or by the algorithm's per-sample weights (e.g. response tokens)
         weights = algo.loss_weights(batch) if hasattr(algo, "loss_weights") else None
         stats: dict[str, list] = {}
-        order = torch.randperm(b, generator=generator)
+        whole_groups = getattr(algo, "whole_groups", False)  # e.g. DGPO's group preference needs each group whole
+        if whole_groups:
+            minibatches = group_minibatches(batch.group_ids, self.cfg.num_minibatches, generator)
+        else:
+            minibatches = torch.randperm(b, generator=generator).chunk(min(self.cfg.num_minibatches, b))
         self.train_mode(True)
-        for i, mb in enumerate(order.chunk(min(self.cfg.num_minibatches, b))):
+        for i, mb in enumerate(minibatches):
             self.optimizer.zero_grad(set_to_none=True)
             mine = mb[(mb >= offset) & (mb < offset + len(batch))] - offset
             micro = micro_batch_samples(self.cfg.micro_batch_size, len(mine))
             total = None if weights is None else float(self.engine.sum(weights[mine.to(weights.device)].sum()))
             shares = [int(((mb >= o) & (mb < o + n)).sum()) for o, n in zip(_offsets(sizes), sizes, strict=True)]
-            for part in self._lockstep(list(mine.split(micro)), shares):
+            parts = group_micro_batches(mine, batch.group_ids, micro) if whole_groups else list(mine.split(micro))
+            for part in self._lockstep(parts, shares):
                 self._dummy = part is None  # a zero-weight forward and backward that keeps the ranks in step
                 if self._dummy:
                     part = torch.zeros(1, dtype=torch.long)
@@ -442,6 +497,9 @@ class LocalActor:
                 if not torch.isfinite(grad_norm):
                     raise FloatingPointError(f"non-finite gradient norm {grad_norm}")
                 self.optimizer.step()
+            if getattr(algo, "old_every_optimizer_step", False):  # e.g. DGPO's old copy
+                self._ema_old(algo, self.optimizer_steps)
+                self.optimizer_steps += 1
             stats.setdefault("grad_norm", []).append((grad_norm.detach(), 1))
         self.train_mode(False)
         self._update_old(algo)
@@ -452,15 +510,20 @@ class LocalActor:
         out.update(extra)
         return out
 
-    @torch.no_grad()
     def _update_old(self, algo) -> None:
-        """old ← d·old + (1−d)·θ after every update (d from the algorithm's schedule, else actor.ema_decay)."""
+        """old ← d·old + (1−d)·θ after every update (d from the algorithm's schedule, else actor.ema_decay), unless
+        the algorithm moves it after every optimizer step instead (`old_every_optimizer_step`)."""
+        if not getattr(algo, "old_every_optimizer_step", False):
+            self._ema_old(algo, self.num_updates)
+        self.num_updates += 1
+
+    @torch.no_grad()
+    def _ema_old(self, algo, clock: int) -> None:
         if self.old_params is not None:
-            d = algo.old_decay(self.num_updates)
+            d = algo.old_decay(clock)
             d = self.ema_decay if d is None else d
             for p, o in zip(self.params, self.old_params, strict=True):
                 o.mul_(d).add_(p.detach(), alpha=1 - d)
-        self.num_updates += 1
 
     # ------------------------------------------------------------------------------------ weights
     def trainable_state(self) -> dict[str, torch.Tensor]:
@@ -493,13 +556,14 @@ class LocalActor:
             save_file({n: o.contiguous() for n, o in old.items()}, str(directory / "old_weights.safetensors"))
         meta = {"lora": self.lora, "lora_rank": self.cfg.lora_rank, "lora_alpha": self.cfg.lora_alpha,
                 "lora_targets": self.lora_targets, "networks": list(self.adapter.modules()),
-                "updates": self.num_updates, **meta}
+                "updates": self.num_updates, "optimizer_steps": self.optimizer_steps, **meta}
         (directory / "weights.json").write_text(json.dumps(meta, indent=2))
 
     def load_weights(self, directory: Path) -> None:
         directory = Path(directory)
         load_trained_weights(self.adapter, directory, lora_already_added=True)
-        self.num_updates = int(json.loads((directory / "weights.json").read_text()).get("updates", 0))
+        meta = json.loads((directory / "weights.json").read_text())
+        self.num_updates, self.optimizer_steps = int(meta.get("updates", 0)), int(meta.get("optimizer_steps", 0))
         if self.old_params is not None:
             path = directory / "old_weights.safetensors"
             if not path.is_file() and (directory / DCP_DIR).is_dir():  # written sharded (actor.backend=fsdp2)

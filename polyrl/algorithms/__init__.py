@@ -1,5 +1,7 @@
-from . import (  # noqa: F401  (register; dapo, dpo_tokens, grpo_tokens, gspo: the token-policy losses)
+from . import (  # noqa: F401  (register; dapo, dpo_tokens, grpo_tokens, gspo, opd_tokens: the token-policy losses)
+    awm,
     dapo,
+    dgpo,
     diffusion_dpo,
     diffusion_nft,
     diffusion_opd,
@@ -9,6 +11,7 @@ from . import (  # noqa: F401  (register; dapo, dpo_tokens, grpo_tokens, gspo: t
     grpo_guard,
     grpo_tokens,
     gspo,
+    opd_tokens,
 )
 from .base import (
     ALGORITHMS,

@@ -11,7 +11,16 @@ import torch
 
 from ..batch import Rollout
 from .base import register_algorithm
-from .token_losses import LOSS_AGGS, TokenAlgorithm, TokenEvaluator, aggregate, k3_kl, token_ppo_loss, token_stats
+from .token_losses import (
+    LOSS_AGGS,
+    TokenAlgorithm,
+    TokenEvaluator,
+    TokenScores,
+    aggregate,
+    k3_kl,
+    token_ppo_loss,
+    token_stats,
+)
 
 
 @register_algorithm("grpo")
@@ -30,7 +39,10 @@ class GRPO(TokenAlgorithm):
         return batch.tokens.response_mask.sum(1).float() if self.loss_agg == "token_mean" else None
 
     def step_loss(self, policy: TokenEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
-        s = policy.token_scores(batch)
+        return self.scores_loss(policy, batch, policy.token_scores(batch))
+
+    def scores_loss(self, policy: TokenEvaluator, batch: Rollout, s: TokenScores) -> tuple[torch.Tensor, dict]:
+        """The loss from the current policy's scores `s` (on-policy distillation adds it to its own)."""
         adv = batch.advantages.to(s.log_prob.device)
         loss, ratio, clipped = token_ppo_loss(s.log_prob, s.old_log_prob, adv, s.mask, self.clip_low, self.clip_high,
                                               s.weight, self.loss_agg)

@@ -7,7 +7,7 @@ import torch
 
 from ..batch import Rollout
 from .base import register_algorithm
-from .token_losses import TokenAlgorithm, TokenEvaluator, aggregate, gspo_loss, k3_kl, token_stats
+from .token_losses import TokenAlgorithm, TokenEvaluator, TokenScores, aggregate, gspo_loss, k3_kl, token_stats
 
 
 @register_algorithm("gspo")
@@ -19,7 +19,10 @@ class GSPO(TokenAlgorithm):
         self.drop_zero_advantage = drop_zero_advantage
 
     def step_loss(self, policy: TokenEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
-        s = policy.token_scores(batch)
+        return self.scores_loss(policy, batch, policy.token_scores(batch))
+
+    def scores_loss(self, policy: TokenEvaluator, batch: Rollout, s: TokenScores) -> tuple[torch.Tensor, dict]:
+        """The loss from the current policy's scores `s` (on-policy distillation adds it to its own)."""
         adv = batch.advantages.to(s.log_prob.device)
         loss, seq_ratio, clipped = gspo_loss(s.log_prob, s.old_log_prob, adv, s.mask, self.clip_low, self.clip_high,
                                              s.weight)

@@ -135,9 +135,10 @@ class CausalLMPolicy:
         self.flops += b * decoder_forward_flops(self._body_params, self._head_params, self._layers, self._attn_width,
                                                 t, kept, attention_mask.shape[1]) * (3 if torch.is_grad_enabled() else 1)
         # bf16/fp16 weights: autocast runs the float32 LoRA weights in the same low precision
+        net = self.networks["model"]  # the live entry: the actor may swap in another policy (reference, teacher)
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            out = self.network(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=use_cache, logits_to_keep=keep, **{self._cache_arg: cache})
+            out = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=use_cache, logits_to_keep=keep, **{self._cache_arg: cache})
         new_cache = getattr(out, "cache", None) if self._cache_arg == "cache" else getattr(out, "past_key_values", None)
         return out.logits.float(), new_cache
 

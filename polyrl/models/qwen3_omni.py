@@ -310,9 +310,10 @@ class Qwen3OmniPolicy:
             self.flops += 2.0 * self._encoder_params["audio"] * float(media["feature_attention_mask"].sum()) * grad
         if "input_features" in media:
             media["input_features"] = media["input_features"].to(self.dtype)
+        net = self.networks["model"]  # the live entry: the actor may swap in another policy (reference, teacher)
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            out = self.network(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                               cache=kv, use_cache=use_cache, **media)
+            out = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                      cache=kv, use_cache=use_cache, **media)
         new_cache = (out.cache, delta) if use_cache else None
         logits = (out.logits[:, -keep:] if keep else out.logits).float()  # the thinker's forward has no logits_to_keep
         # the policy never emits media markers: in a teacher-forced forward they would be read as media slots

@@ -1,0 +1,68 @@
+"""The forward process the likelihood-free losses train on (docs/algorithms.md §3, notation): training timesteps
+and noised latents `x_σ = (1−σ)·x0 + σ·ε` with the flow-matching target `ε − x0`, every latent entry at its own σ.
+
+Time sampling follows Flow-Factory's `TimeSampler` (src/flow_factory/utils/noise_schedule.py, commit
+3fe9f760edc4f246723914ab6b8eaaa3d2f7bd43): `timestep_range = [lo, hi]` is a fraction of the way from noise
+(σ = 1) to data, and loss term k of T draws from the k-th of T strata, one σ for the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..latents import Latents, for_entry, per_sample
+
+TIME_SAMPLINGS = ("discrete", "uniform")
+
+
+def discrete_sigma(grid: torch.Tensor, lo: float, hi: float, k: int, terms: int, u: float) -> float:
+    """Flow-Factory's `discrete` strategy: the grid's step sigmas σ_0 … σ_{N−1} (σ_N = 0 excluded) with
+    1 − hi ≤ σ_i ≤ 1 − lo span indices [i_min, i_max]; b = linspace(i_min, i_max, T + 1) truncated to integers;
+    term k takes index b_k + ⌊u·(b_{k+1} − b_k)⌋ (u ~ U[0, 1)), i.e. stratified over the span."""
+    sig = grid[:-1].double()
+    valid = torch.nonzero((sig >= 1 - hi - 1e-6) & (sig <= 1 - lo + 1e-6)).flatten()
+    if len(valid) == 0:
+        raise ValueError(f"algorithm.timestep_range=[{lo}, {hi}] holds no step of the {len(sig)}-step grid "
+                         f"(sigmas {[round(float(s), 3) for s in sig]})")
+    bounds = torch.linspace(int(valid.min()), int(valid.max()), terms + 1, dtype=torch.float64).long()
+    lower, upper = int(bounds[k]), int(bounds[k + 1])
+    return float(sig[lower + int(u * (upper - lower))])
+
+
+def uniform_sigma(lo: float, hi: float, k: int, terms: int, u: float) -> float:
+    """Flow-Factory's `uniform` strategy (shift 1): the fraction f = lo + (k + u)/T·(hi − lo) of stratum k, σ = 1 − f."""
+    return 1.0 - (lo + (k + u) / terms * (hi - lo))
+
+
+def train_sigma(strategy: str, grid: torch.Tensor, lo: float, hi: float, k: int, terms: int,
+                generator: torch.Generator) -> float:
+    """σ of loss term k: one uniform draw u from the update's generator, then the strategy's stratum."""
+    u = float(torch.rand((), generator=generator))
+    if strategy == "discrete":
+        return discrete_sigma(grid, lo, hi, k, terms, u)
+    if strategy == "uniform":
+        return uniform_sigma(lo, hi, k, terms, u)
+    raise ValueError(f"algorithm.time_sampling={strategy!r}; allowed: {', '.join(TIME_SAMPLINGS)}")
+
+
+def noise_to(x0: Latents, eps: Latents, sigma) -> tuple[Latents, Latents]:
+    """(x_σ = (1−σ)·x0 + σ·ε, target ε − x0) per entry; `sigma` is (B,) or one (B,) per entry (stream_sigmas)."""
+    x_t, target = {}, {}
+    for k, v in x0.items():
+        s = per_sample(for_entry(sigma, k).to(v), v)
+        x_t[k] = (1 - s) * v + s * eps[k].to(v)
+        target[k] = eps[k].to(v) - v
+    return x_t, target
+
+
+def check_time_range(timestep_range, num_timesteps: int, time_sampling: str) -> tuple[float, float]:
+    """The validated [lo, hi] (0 ≤ lo < hi ≤ 1); one-line errors naming the key."""
+    rng = list(timestep_range) if isinstance(timestep_range, (list, tuple)) else [0.0, timestep_range]
+    if len(rng) != 2 or not 0 <= float(rng[0]) < float(rng[1]) <= 1:
+        raise ValueError(f"algorithm.timestep_range={timestep_range} must be [lo, hi] (or hi) with 0 <= lo < hi <= 1 "
+                         "(fractions of the way from noise to data)")
+    if int(num_timesteps) < 1:
+        raise ValueError(f"algorithm.num_timesteps={num_timesteps} must be >= 1")
+    if time_sampling not in TIME_SAMPLINGS:
+        raise ValueError(f"algorithm.time_sampling={time_sampling!r}; allowed: {', '.join(TIME_SAMPLINGS)}")
+    return float(rng[0]), float(rng[1])
