@@ -178,6 +178,16 @@ def test_group_reward_through_the_server():
         client.preflight()  # the server says it is a group reward
         assert client.groupwise
         out = call_reward(client, images, prompts, metadata, group_ids=group_ids)
+        groups = sorted(g for call in rec.calls for g in call)
+        mix = build_reward({"name": "mix", "mix": {"http": {"weight": 2.0, "url": srv.url, "token_env": None}}})
+        assert not mix.groupwise
+        mix.preflight()  # runs the component's: the server's reward is a group reward, so the mix is one
+        assert mix.groupwise
+        rec.calls.clear()
+        mixed = call_reward(mix, images, prompts, metadata, group_ids=group_ids)
+        assert sorted(g for call in rec.calls for g in call) == [[0, 1], [2, 3, 4], [5, 6], [7]]
+        assert mixed.scores.tolist() == (2 * _expected(group_ids)).tolist()
+        mix.rewards["http"].close()
         # without groups, or with a group cut apart, the server refuses
         body = {"images": ["x"], "prompts": ["p"]}
         r = httpx.post(srv.url + "/score", json=body)
@@ -187,7 +197,6 @@ def test_group_reward_through_the_server():
         r = httpx.post(srv.url + "/score", json=body)
         assert r.status_code == 422 and "group 1 are not next to each other" in r.json()["detail"]
         client.close()
-    groups = sorted(g for call in rec.calls for g in call)
     assert groups == [[0, 1], [2, 3, 4], [5, 6], [7]]  # whole, each once, never merged with another request's
     assert out.scores.tolist() == _expected(group_ids).tolist()
     assert out.extras["tag"] == list(range(8))

@@ -122,6 +122,14 @@ class MixReward:
         self.groupwise = any(is_groupwise(r) for r in self.rewards.values())
         self.last_errors: dict[str, str] = {}
 
+    def preflight(self) -> None:
+        """Each component's own check before training (reward=http: its server answers), then whether the mix is a
+        group reward again (an http component learns that from its server here)."""
+        for reward in self.rewards.values():
+            if hasattr(reward, "preflight"):
+                reward.preflight()
+        self.groupwise = any(is_groupwise(r) for r in self.rewards.values())
+
     @staticmethod
     def nested_configs(cfg: dict) -> list[tuple[str, dict]]:
         """(config key, {"name": ..., kwargs}) per component, for `polyrl.config.schema` to validate."""
