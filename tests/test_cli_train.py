@@ -55,7 +55,7 @@ def test_num_validation_zero_evaluates_without_writing_sample_grids(tiny_sd3_dir
                                                                    "trainer.num_validation=0"])) == 0
     rows = _metrics(out)
     assert "eval/reward_mean" in rows[0] and "eval/reward_mean" in rows[1]
-    assert not list(out.glob("samples/step_*"))
+    assert not list(out.glob("samples/step_*.png")) and list(out.glob("samples/step_*.jsonl"))
 
 
 def test_fresh_run_refuses_existing_run_dir(tiny_sd3_dir, shape_prompts_file, tmp_path, capsys):

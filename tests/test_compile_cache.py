@@ -68,15 +68,16 @@ def test_saved_artifacts_make_a_fresh_process_compile_nothing(tmp_path):
 
 def test_trainer_loads_before_building_and_saves_after_the_first_step(tiny_sd3_dir, shape_prompts_file, tmp_path,
                                                                        monkeypatch):
+    import polyrl.trainer.build as build
     import polyrl.trainer.loop as loop
     from polyrl.cli.main import main
 
     calls = []
-    monkeypatch.setattr(loop, "compile_transformer", lambda network, mode: calls.append(("compile", mode)))
-    monkeypatch.setattr(loop, "load_compile_cache", lambda path: calls.append(("load", path)) or 0)
+    monkeypatch.setattr(build, "compile_transformer", lambda network, mode: calls.append(("compile", mode)))
+    monkeypatch.setattr(build, "load_compile_cache", lambda path: calls.append(("load", path)) or 0)
     monkeypatch.setattr(loop, "save_compile_cache", lambda path: calls.append(("save", path)) or 0)
-    real_build = loop.build_model
-    monkeypatch.setattr(loop, "build_model", lambda *a, **k: calls.append(("build",)) or real_build(*a, **k))
+    real_build = build.build_model
+    monkeypatch.setattr(build, "build_model", lambda *a, **k: calls.append(("build",)) or real_build(*a, **k))
     out = tmp_path / "run"
     # model.compile=blocks, with compilation itself stubbed out (the wiring is what is tested; the first test the cache)
     args = _common(tiny_sd3_dir, shape_prompts_file, out, 3, ["trainer.eval_every=0", "trainer.save_every=2",
@@ -95,7 +96,7 @@ def test_trainer_loads_before_building_and_saves_after_the_first_step(tiny_sd3_d
 
 def test_unreadable_cache_is_a_warning_and_the_run_goes_on(tiny_sd3_dir, shape_prompts_file, tmp_path, monkeypatch,
                                                            capsys):
-    import polyrl.trainer.loop as loop
+    import polyrl.trainer.build as loop
     from polyrl.cli.main import main
 
     monkeypatch.setattr(loop, "compile_transformer", lambda network, mode: None)  # the load is what is tested

@@ -31,8 +31,8 @@ def test_docs_reference_only_files_in_the_repo():
     assert not missing, missing
 
 
-def test_checkpoint_names_in_the_readme_are_the_names_on_disk(tmp_path):
-    readme = (ROOT / "README.md").read_text()
+def test_checkpoint_names_in_the_docs_are_the_names_on_disk(tmp_path):
+    readme = (ROOT / "docs" / "usage.md").read_text()
     name = checkpoint_dir(tmp_path, 20).name
     assert f"checkpoints/{name}/" in readme and "step_N/" not in readme
     for file in ("adapter_model.safetensors", "weights.json", "trainer_state.pt", "checksums.json"):
@@ -56,3 +56,19 @@ def test_code_cites_the_formula_sheet_in_docs():
         bad += [f"{path.name}: {name}" for name in ("BENCHMARK.md", "ALGORITHMS.md", "MODELS.md") if name in text]
         bad += [f"{path.name}: {s}" for s in re.findall(r"docs/algorithms\.md (§\d+)", text) if s not in sections]
     assert not bad, bad
+
+
+def test_readme_is_a_newcomers_page():
+    """About 200 lines; the two quickstart commands are the ones CI runs (.ci/run runs the second verbatim)."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 220
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install torch==2.13.0 -e ".[test]" && python -m pytest' in readme and \
+        'pip install torch==2.13.0 -e ".[test]" && python -m pytest' in ci
+    assert "pip install torch==2.13.0 -e . && polyrl train" in readme
+
+
+def test_the_docs_index_names_every_page():
+    index = (ROOT / "docs" / "README.md").read_text()
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"README.md"}
+    assert not {p for p in pages if f"({p})" not in index}, "docs/README.md must link every page"

@@ -113,7 +113,7 @@ def test_shipped_toy_model_generates_in_plain_diffusers_as_in_polyrl():
     from polyrl.config import ASSETS, load_config
     from polyrl.rewards.shapes import ShapesReward
     from polyrl.sampling.diffusion import draw_noise, rollout
-    from polyrl.trainer.loop import plan_from_config
+    from polyrl.sampling.diffusion import plan_from_config
 
     rows = [json.loads(line) for line in (ASSETS / "prompts" / "shapes_heldout.jsonl").read_text().splitlines()][:8]
     prompts = [r["prompt"] for r in rows]

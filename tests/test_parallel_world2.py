@@ -140,7 +140,7 @@ def test_sp_tp_fsdp_hsdp_equal_one_process_and_resume_across_world_sizes(tmp_pat
     assert first[1]["grad_norm"] > 0 and first[1]["kl"] > 0 and "eval/reward_mean" in first[0]
     # step 3 (index 2) shuffles its 16 samples so that rank 0 holds 5 and 3 of the two mini-batches' 8: with
     # micro-batches of 2 the ranks ran 3 and 2 forwards, so the sharded actor's padding micro-batch ran
-    from polyrl.trainer.loop import step_generator
+    from polyrl.sampling.base import step_generator
 
     order = torch.randperm(16, generator=step_generator(0, 2, stream=1))
     assert [int((mb < 8).sum()) for mb in order.chunk(2)] == [5, 3]

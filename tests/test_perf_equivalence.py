@@ -135,10 +135,10 @@ def test_training_graph_makes_the_compiled_rollout_equal_training():
 def test_next_steps_noise_is_drawn_during_the_update_with_the_same_numbers(tiny_sd3_dir, shape_prompts_file, tmp_path,
                                                                            monkeypatch):
     """Steps after the first take their rollout noise from the draw started on the worker thread while the previous
-    step trained (trainer/loop.py NoiseAhead); a run that draws every step in place logs the same numbers."""
+    step trained (sampling/base.py DrawAhead); a run that draws every step in place logs the same numbers."""
     import threading
 
-    import polyrl.trainer.loop as loop
+    import polyrl.sampling.diffusion as loop
     from polyrl.rewards import REWARDS
 
     REWARDS.setdefault("test_mean_brightness", MeanBrightness)
@@ -154,11 +154,11 @@ def test_next_steps_noise_is_drawn_during_the_update_with_the_same_numbers(tiny_
              "reward.name=test_mean_brightness"]
     ahead, in_place = tmp_path / "ahead", tmp_path / "in_place"
     assert main(_common(tiny_sd3_dir, shape_prompts_file, ahead, 3, extra)) == 0
-    assert [(step, name.startswith("polyrl-noise")) for step, name in threads] == [(0, False), (1, True), (2, True)]
+    assert [(step, name.startswith("polyrl-draws")) for step, name in threads] == [(0, False), (1, True), (2, True)]
     threads.clear()
-    monkeypatch.setattr(loop.NoiseAhead, "start", lambda self, key, draw: None)
+    monkeypatch.setattr(loop.DrawAhead, "start", lambda self, key, draw: None)
     assert main(_common(tiny_sd3_dir, shape_prompts_file, in_place, 3, extra)) == 0
-    assert [name.startswith("polyrl-noise") for _, name in threads] == [False, False, False]
+    assert [name.startswith("polyrl-draws") for _, name in threads] == [False, False, False]
     for a, b in zip(_rows(ahead), _rows(in_place), strict=True):
         for key in ("reward/mean", "loss", "grad_norm"):
             assert a[key] == b[key], key

@@ -75,7 +75,7 @@ def test_retry_budget_spent_saves_a_checkpoint_and_stops(tiny_sd3_dir, shape_pro
         ckpt = out / "checkpoints" / "step_000001"
         assert f"polyrl: stopped: reward server {srv.url}/score failed 3 attempts (reward.max_retries=2); last error: " \
                "HTTP 500: the scorer raised RuntimeError: CUDA error: device lost" in err
-        assert f"saved checkpoint {ckpt} (step 1); continue with trainer.resume={ckpt}" in err
+        assert f"saved checkpoint {ckpt} (step 1)\nresume with: polyrl train " in err
         assert (ckpt / "trainer_state.pt").is_file()
         assert [r["step"] for r in _metrics(out)] == [1]
         # the server is fixed; the run resumes where it stopped and ends as an uninterrupted run does

@@ -55,6 +55,9 @@ class AlgorithmBase:
     adv_clip_max: float = 5.0
     kl_form: str = "exact"  # the KL term's form: exact | flow_grpo (§3 convention (a), flow_grpo.kl_to_reference)
     drop_zero_advantage: bool = False  # train without the samples whose advantage is 0 (§3 convention (c))
+    # step options any algorithm takes (STEP_OPTIONS): the step's filter-and-refill of flat groups (trainer/step.py)
+    dynamic_sampling: bool = False
+    max_refills: int = 3  # at most this many extra rollouts per step
 
     @property
     def needs_reference(self) -> bool:
@@ -72,6 +75,10 @@ class AlgorithmBase:
         if not self.drop_zero_advantage:
             return batch
         return batch.select(torch.nonzero(batch.advantages != 0).flatten())
+
+    def shape_rewards(self, batch: Rollout) -> torch.Tensor:
+        """The rewards the advantages are computed from (DAPO adds its overlong penalty); default: as scored."""
+        return batch.rewards
 
     def old_decay(self, update: int) -> float | None:
         """Decay d of the old-policy update old ← d·old + (1−d)·θ after update number `update`; None: actor.ema_decay."""
@@ -98,6 +105,19 @@ ALGORITHMS = Registry("algorithm")
 register_algorithm = ALGORITHMS.register
 
 
+# keys of `algorithm.*` that every algorithm accepts: they configure the step, not the loss
+STEP_OPTIONS = ("dynamic_sampling", "max_refills")
+
+
 def build_algorithm(cfg: dict) -> Algorithm:
     cfg = dict(cfg)
-    return ALGORITHMS.build(cfg.pop("name"), **cfg)
+    options = {k: cfg.pop(k) for k in STEP_OPTIONS if k in cfg}
+    algo = ALGORITHMS.build(cfg.pop("name"), **cfg)
+    if not isinstance(options.get("dynamic_sampling", False), bool):
+        raise ValueError(f"algorithm.dynamic_sampling={options['dynamic_sampling']!r} must be true or false")
+    refills = options.get("max_refills", 0)
+    if isinstance(refills, bool) or not isinstance(refills, int) or refills < 0:
+        raise ValueError(f"algorithm.max_refills={refills!r} must be an integer >= 0")
+    for key, value in options.items():
+        setattr(algo, key, value)
+    return algo

@@ -2,8 +2,9 @@
 
 * clip-higher: ε_low = `clip_range` (0.2), ε_high = `clip_range_high` (0.28);
 * token-level normalisation: every token of the mini-batch counts the same (`loss_agg=token_mean`);
-* dynamic sampling: a step whose groups have equal rewards (no signal) is refilled with fresh prompts, at most
-  `max_refills` extra rollouts per step (the trainer does it, logging `dapo/refills` and `dapo/kept_groups`);
+* dynamic sampling (on by default here; a step option any algorithm may turn on, trainer/step.py): a step's groups
+  whose rewards are all equal (no signal) are replaced by fresh prompt groups, at most `max_refills` extra rollouts
+  per step (logged as `dapo/refills` and `dapo/kept_groups`);
 * overlong reward shaping: with `overlong_buffer` L_b > 0, a response longer than max_new_tokens − L_b loses up
   to `overlong_penalty` linearly (`token_losses.overlong_penalty`).
 """
@@ -21,15 +22,14 @@ from .token_losses import overlong_penalty
 @register_algorithm("dapo")
 class DAPO(GRPO):
     dynamic_sampling = True
+    max_refills = 3
 
     def __init__(self, clip_range: float = 0.2, clip_range_high: float | None = 0.28, kl_beta: float = 0.0,
                  adv_std: str = "group", adv_clip_max: float = 5.0, loss_agg: str = "token_mean",
-                 dynamic_sampling: bool = True, max_refills: int = 3, overlong_buffer: int = 0,
-                 overlong_penalty: float = 1.0):
+                 overlong_buffer: int = 0, overlong_penalty: float = 1.0):
         super().__init__(clip_range, clip_range_high, kl_beta, adv_std, adv_clip_max, loss_agg)
-        if max_refills < 0 or overlong_buffer < 0:
-            raise ValueError("algorithm.max_refills and algorithm.overlong_buffer must be >= 0")
-        self.dynamic_sampling, self.max_refills = dynamic_sampling, max_refills
+        if overlong_buffer < 0:
+            raise ValueError("algorithm.overlong_buffer must be >= 0")
         self.overlong_buffer, self.overlong_factor = overlong_buffer, overlong_penalty
 
     def shape_rewards(self, batch: Rollout) -> torch.Tensor:

@@ -127,8 +127,6 @@ class TokenAlgorithm(AlgorithmBase):
 
     policy_kind = "tokens"
     adv_std = "group"
-    dynamic_sampling = False  # DAPO: refill a step whose groups have equal rewards (trainer)
-    max_refills = 0  # at most this many extra rollouts per step for dynamic sampling
 
     def num_terms(self, batch: Rollout) -> int:
         return 1  # one loss over all response tokens of a sample
@@ -137,10 +135,6 @@ class TokenAlgorithm(AlgorithmBase):
         """Per-sample weights the actor normalises mini-batch losses by (None: samples, each micro-batch weighs
         its share of samples); a token-normalised loss returns the response lengths."""
         return None
-
-    def shape_rewards(self, batch: Rollout) -> torch.Tensor:
-        """The rewards the advantages are computed from (DAPO adds its overlong penalty); default: as scored."""
-        return batch.rewards
 
 
 def token_stats(loss: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor) -> dict:

@@ -129,12 +129,14 @@ def cmd_sample(args: list[str]) -> int:
     from ..actor.local import load_trained_weights
     from ..config import validate
     from ..data.prompts import load_prompts
-    from ..distributed.engine import pick_device
-    from ..models import build_model
+    from ..distributed import pick_device
+    from ..models import MODELS, build_model
+    from ..models.base import policy_kind
     from ..rewards import build_reward
+    from ..sampling import sampler_class
     from ..trainer.checkpoint import read_checkpoint
-    from ..trainer.logging import save_samples
-    from ..trainer.loop import evaluate, plan_from_config
+    from ..trainer.evaluation import evaluate
+    from ..trainer.samples import save_samples, save_text_samples
 
     if any(a in ("-h", "--help") for a in args):
         print(USAGE)
@@ -157,10 +159,12 @@ def cmd_sample(args: list[str]) -> int:
     rows = load_prompts(cfg.data.heldout_path or cfg.data.path)
     n = int(special.get("n", cfg.trainer.num_validation))
     reward = build_reward(OmegaConf.to_container(cfg.reward))
-    plan = plan_from_config(cfg.rollout)
-    mean, batch = evaluate(adapter, reward, cfg, rows, plan, n)
-    out = Path(special.get("out", ckpt / "samples.png"))
-    written = save_samples(batch, out.with_suffix(""), plan.shape.fps)
+    cls = sampler_class(policy_kind(MODELS[cfg.model.name]))
+    sampler = cls(adapter, cls.plan_from_config(cfg, 1, lambda msg: None), cfg.trainer.seed)
+    mean, batch = evaluate(sampler, reward, cfg.reward.name, rows, n, cfg.trainer.eval_seed)
+    # beside the run's own samples, never inside the checkpoint (a checkpoint holds what training wrote)
+    stem = Path(special["out"]).with_suffix("") if "out" in special else ckpt.parent.parent / "samples" / f"sample_{ckpt.name}"
+    written = save_samples(batch, stem, sampler.fps) or [save_text_samples(batch, stem.with_suffix(".jsonl"))]
     print(f"polyrl: wrote {', '.join(map(str, written))} ({n} samples, mean reward {mean:.4f})")
     return 0
 
@@ -193,10 +197,26 @@ COMMANDS = {"train": cmd_train, "config": cmd_config, "sample": cmd_sample, "exp
             "pretrain-toy": cmd_pretrain_toy, "bench": cmd_bench, "serve-reward": cmd_serve_reward}
 
 
+def quiet_libraries() -> None:
+    """What a user would only learn to ignore: the per-component "Loading weights" bars of transformers and
+    diffusers, and torch's notice when the toy model's zero-width placeholder encoder is initialised."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op")
+    try:
+        import diffusers.utils.logging as diffusers_logging
+        import transformers.utils.logging as transformers_logging
+    except ImportError:  # the reward server's environment may lack them
+        return
+    transformers_logging.disable_progress_bar()
+    diffusers_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # silences optional-backend notices
+    quiet_libraries()
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0

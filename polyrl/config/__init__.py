@@ -92,10 +92,12 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    # `reward.async` / `reward.frames` / `reward.frame_reduce` apply to every reward but are in no reward's YAML:
+    # `reward.async` / `reward.frames` / `reward.frame_reduce` apply to every reward, and the step options
+    # `algorithm.dynamic_sampling` / `algorithm.max_refills` to every algorithm, but most YAMLs do not name them:
     # add them rather than override them
-    overrides = [f"++{o}" if o.startswith(("reward.async=", "reward.frames=", "reward.frame_reduce=")) else o
-                 for o in overrides]
+    shared = ("reward.async=", "reward.frames=", "reward.frame_reduce=", "algorithm.dynamic_sampling=",
+              "algorithm.max_refills=")
+    overrides = [f"++{o}" if o.startswith(shared) else o for o in overrides]
     try:
         raw = _compose(overrides)
         _check_model_path(raw, list(overrides))
@@ -180,7 +182,8 @@ def _allowed_under(parent: str | None, overrides: list[str]) -> str:
         rest = [o for o in overrides if not o.lstrip("+~").startswith(parent + ".")]
         name = _compose(rest)[parent]["name"]
         cls = (REWARDS if parent == "reward" else ALGORITHMS)[name]
-        extra = ["async", "frame_reduce", "frames", "name"] if parent == "reward" else ["name"]
+        extra = ["async", "frame_reduce", "frames", "name"] if parent == "reward" else [
+            "dynamic_sampling", "max_refills", "name"]
         return ", ".join(sorted(inspect.signature(cls).parameters) + extra)
     if parent == "model.options":  # a model's own options (its class's `options`, e.g. models/ltx2.py)
         from ..models import MODELS

@@ -193,15 +193,17 @@ def _check_choice(key: str, value, allowed) -> None:
         raise ConfigError(f"{key}={value!r} is not valid; allowed: {', '.join(map(str, allowed))}")
 
 
-def _check_kwargs(group: str, cfg: dict, registry: dict) -> None:
+def _check_kwargs(group: str, cfg: dict, registry: dict, shared: tuple[str, ...] = ()) -> None:
+    """Every key of `group` is a constructor argument of the named class, or one of the group's `shared` keys."""
     name = cfg.get("name")
     _check_choice(f"{group}.name", name, sorted(registry))
     params = inspect.signature(registry[name]).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return
     for key in cfg:
-        if key != "name" and key not in params:
-            raise ConfigError(f"unknown key {group}.{key} for {group}.name={name}; allowed: {', '.join(sorted(params))}")
+        if key != "name" and key not in params and key not in shared:
+            raise ConfigError(f"unknown key {group}.{key} for {group}.name={name}; allowed: "
+                              f"{', '.join(sorted([*params, *shared]))}")
     nested = getattr(registry[name], "nested_configs", None)  # e.g. reward=mix: validate each component too
     if nested is not None:
         try:
@@ -259,6 +261,7 @@ def validate(raw: DictConfig) -> DictConfig:
         raise ConfigError(f"{', '.join(missing)} must be set (e.g. `polyrl train {missing[0]}=...`)")
 
     from ..algorithms import ALGORITHMS
+    from ..algorithms.base import STEP_OPTIONS
     from ..models import MODELS
     from ..rewards import REWARDS
 
@@ -284,7 +287,7 @@ def validate(raw: DictConfig) -> DictConfig:
     _check_choice("trainer.device", cfg.trainer.device, DEVICES)
     for logger in cfg.trainer.loggers:
         _check_choice("trainer.loggers", logger, ("tensorboard", "wandb", "mlflow"))
-    _check_kwargs("algorithm", OmegaConf.to_container(cfg.algorithm), ALGORITHMS)
+    _check_kwargs("algorithm", OmegaConf.to_container(cfg.algorithm), ALGORITHMS, STEP_OPTIONS)
     from ..models.base import policy_kind
 
     # a model is a diffusion or a token policy, and a loss trains one kind (models/base.py, docs/tokens.md)

@@ -22,6 +22,10 @@ import numpy as np
 import torch
 
 from ..batch import Rollout
+from ..registry import Registry
+
+# policy kind (models/base.py policy_kind) -> its offline pair format: load(path) -> rows, batch(adapter, rows)
+PAIR_FORMATS = Registry("pair format")
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 
@@ -121,3 +125,16 @@ def pair_batch(adapter, rows: list[dict], height: int, width: int) -> Rollout:
         latents={k: v[:, None] for k, v in final.items()}, log_probs=torch.zeros(b, 0), sigmas=torch.zeros(b, 1),
         noise_levels=torch.zeros(b, 0), final=final, extras={"pair_final": pair_final},
     )
+
+
+@PAIR_FORMATS.register("diffusion")
+class ImagePairs:
+    """The offline pair format of diffusion policies: images encoded at the run's rollout size."""
+
+    def __init__(self, rollout_cfg):
+        self.height, self.width = rollout_cfg.height, rollout_cfg.width
+
+    load = staticmethod(load_pairs)
+
+    def batch(self, adapter, rows: list[dict]) -> Rollout:
+        return pair_batch(adapter, rows, self.height, self.width)

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from .dims import SHARDED_BACKENDS, ParallelDims, shard_range
+from .dims import ParallelDims, shard_range
 
 BUCKET_NUMEL = 64 * 2**20
 
@@ -163,24 +163,3 @@ def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
     return torch.device(name)
-
-
-def build_engine(device_name: str, cfg=None) -> LocalEngine:
-    """`actor.backend=fsdp2`: an `FSDP2Engine` (also at world size 1) on the layout of `cfg.parallel`
-    (`actor.backend=veomni`: a `VeOmniEngine`, its meshes from VeOmni's parallel state); else a
-    `DataParallelEngine` under a multi-process launch (WORLD_SIZE > 1), else one process on `device_name`."""
-    if cfg is not None and cfg.actor.backend in SHARDED_BACKENDS:
-        from ..models import MODELS
-        from .plan import check_parallel_config
-
-        dims = check_parallel_config(cfg, MODELS.get(cfg.model.name))
-        if cfg.actor.backend == "veomni":  # config validation has checked that VeOmni imports (require_veomni)
-            from .veomni import VeOmniEngine
-
-            return VeOmniEngine(device_name, dims)
-        from .fsdp2 import FSDP2Engine
-
-        return FSDP2Engine(device_name, dims)
-    if ParallelDims.from_env().world_size > 1:
-        return DataParallelEngine(device_name)
-    return LocalEngine(pick_device(device_name))

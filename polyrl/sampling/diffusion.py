@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -22,7 +23,9 @@ from ..latents import Latents, MediaShape, cat_latents, map_latents, stack_laten
 from ..media import Audio, cat_media, cpu_media
 from ..models.base import Cond, DiffusionPolicy, Guidance, Prompt, stream_sigma_1, stream_sigmas
 from ..perf.profile import region
+from ..perf.timer import StageTimer
 from ..perf.transfer import host_copy, to_host
+from .base import REFILL_STREAM, SAMPLERS, DrawAhead, step_generator
 from .steps import STEPS, step_latents
 
 WINDOW_STRATEGIES = ("per_sample", "random", "progressive")
@@ -303,3 +306,109 @@ def rollout(
         latents=host.latents, log_probs=host.log_probs, sigmas=host.sigmas, noise_levels=host.noise_levels,
         final=host.final, media=cat_media([c.media for c in chunks]) if decode else None, old_means=host.means,
     )
+
+
+def plan_from_config(r) -> SamplingPlan:
+    """The `rollout.*` keys of a run's config as a SamplingPlan."""
+    return SamplingPlan(
+        num_steps=r.num_steps, shape=MediaShape(height=r.height, width=r.width, frames=r.num_frames, fps=r.fps),
+        guidance=Guidance(r.guidance_scale, r.negative_prompt), noise_level=r.noise_level,
+        window_size=r.sde_window_size, window_range=tuple(r.sde_window_range), batch_size=r.batch_size, step=r.step,
+        window_strategy=r.sde_window_strategy, window_every=r.sde_window_every, shared_noise=r.shared_initial_noise,
+        log_density=r.log_density, training_graph=r.training_graph,
+    )
+
+
+@SAMPLERS.register("diffusion")
+class DiffusionSampler:
+    """The training step's rollout stage for a diffusion policy (sampling/base.py `PolicySampler`): SDE
+    trajectories with log-probs from noise drawn up front for the whole step (`draw_noise`), the next step's
+    noise drawn on a worker thread while this step trains (`DrawAhead`). The rollout runs here on the actor's
+    networks under `policy` (the actor's sampling policy), or on Ray rollout replicas (`use_remote`)."""
+
+    fp8_auto = True  # measured on diffusion transformers (perf/fp8.py)
+
+    @staticmethod
+    def plan_from_config(cfg, micro_batch: int, say) -> SamplingPlan:
+        """The run's plan; `rollout.training_graph=auto` decided here (config/schema.py AUTO_SWITCH): on only where
+        it is exact and costs no memory training does not already need, i.e. compiled networks and a sampling call
+        of the training micro-batch's size (a bigger call would hold a bigger forward's activations)."""
+        r = cfg.rollout
+        compiled = cfg.model.get("compile", "none") != "none"
+        if r.training_graph is True and r.batch_size != micro_batch:
+            say(f"polyrl: warning: rollout.training_graph=true runs training's graph, but rollout.batch_size="
+                f"{r.batch_size} against {micro_batch} samples per training micro-batch (actor.micro_batch_size) "
+                "gives its calls other shapes, whose kernels may round differently and a bigger call holds more "
+                "activations: set them equal for equal log-probs")
+        if r.training_graph == "auto":
+            r.training_graph = compiled and r.batch_size == micro_batch
+        return plan_from_config(r)
+
+    def __init__(self, adapter: DiffusionPolicy, plan: SamplingPlan, seed: int, reads_media: bool = True):
+        self.adapter, self.plan, self.seed = adapter, plan, seed
+        self.reads_media = reads_media  # decode the media (the reward reads them), else the latents alone
+        self.latent_shapes = adapter.latent_shapes(plan.shape)  # a ValueError: a shape the model cannot make
+        self.pinned = adapter.device.type == "cuda"
+        self.policy = nullcontext  # the actor's sampling policy (the trainer sets it)
+        self.sample = partial(rollout, adapter)
+        self.remote = None
+        self.ahead = DrawAhead()
+        self.refill_generator: torch.Generator | None = None
+        self.fps = plan.shape.fps  # of sample videos
+
+    def use_remote(self, remote, max_staleness: int) -> None:
+        """Sample on Ray rollout replicas, which hold the sampling policy's weights (trainer/remote.py), and with
+        `rollout.max_staleness` = k > 0 start the next k steps' rollouts ahead (`prepare_next`)."""
+        self.remote, self.sample, self.policy = remote, remote.rollout, nullcontext
+        self.max_staleness = max_staleness
+
+    def _draw(self, group_ids: torch.Tensor, mine: slice, step: int, generator: torch.Generator) -> RolloutNoise:
+        return draw_noise(self.latent_shapes, self.plan, group_ids, generator, step,
+                          pin_memory=self.pinned).select(mine)
+
+    def draws(self, group_ids: torch.Tensor, mine: slice, step: int, attempt: int) -> RolloutNoise:
+        if attempt == 0:
+            key = (step, len(group_ids))
+            return self.ahead.take(key, partial(self._draw, group_ids, mine, step, step_generator(self.seed, step)))
+        if attempt == 1:  # refills draw from their own stream, one after the other
+            self.refill_generator = step_generator(self.seed, step, REFILL_STREAM)
+        return self._draw(group_ids, mine, step, self.refill_generator)
+
+    def rollout(self, prompts: list, metadata: list[dict], group_ids: torch.Tensor, draws: RolloutNoise, sink,
+                timer: StageTimer) -> Rollout:
+        with timer("text_encode"):  # fills the model's prompt cache; the rollout then reads it
+            self.adapter.encode_prompts(prompts)
+            self.adapter.encode_guidance(self.plan.guidance)
+        with timer("rollout"), self.policy():
+            return self.sample(prompts, metadata, group_ids, self.plan, draws, decode=self.reads_media, sink=sink,
+                               times=timer.times)
+
+    def prepare_next(self, step: int, group_ids: torch.Tensor, mine: slice, max_steps: int, peek) -> None:
+        """The next step's noise, drawn on a worker thread; with Ray rollout replicas and rollout.max_staleness = k,
+        the next k steps' rollouts start now on the weights before this update (`peek(ahead)` gives the prompts
+        and metadata of the step `ahead` steps on, without moving the data position)."""
+        if self.remote is not None and self.max_staleness:
+            for ahead in range(1, self.max_staleness + 1):
+                if step + ahead >= max_steps:
+                    break
+                if ahead > len(self.remote.prefetched):  # not started by an earlier step
+                    prompts, _ = peek(ahead)
+                    noise = self.draws(group_ids, mine, step + ahead, 0)
+                    self.remote.prefetch(prompts, self.plan, noise, self.reads_media)
+        if step + 1 < max_steps:
+            self.ahead.start((step + 1, len(group_ids)), partial(
+                self._draw, group_ids, mine, step + 1, step_generator(self.seed, step + 1)))
+
+    @torch.no_grad()
+    def evaluate(self, prompts: list, metadata: list[dict], seed: int) -> Rollout:
+        """Deterministic ODE samples from fixed noise (the same seeds at every evaluation)."""
+        ode = replace(self.plan, noise_level=0.0, window_size=0)
+        groups = torch.arange(len(prompts))
+        noise = draw_noise(self.adapter.latent_shapes(ode.shape), ode, groups, step_generator(seed, 0))
+        return rollout(self.adapter, list(prompts), list(metadata), groups, ode, noise)
+
+    def metrics(self, batches: list[Rollout], engine) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        self.ahead.close()

@@ -17,12 +17,14 @@ is padded to `max_new_tokens` columns, so rollouts of any length concatenate (th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..batch import Rollout, TokenBatch
 from ..models.base import Prompt, TokenPolicy, token_media
+from .base import SAMPLERS, step_generator
 from .diffusion import MediaChunk
 
 
@@ -254,3 +256,65 @@ def response_token_log_probs(adapter: TokenPolicy, tokens: TokenBatch, cond: dic
     logits, _ = adapter.forward(ids, mask, {k: v.to(device) for k, v in cond.items()}, None, keep=r)
     lp = token_log_probs(logits, tokens.response_ids.to(device), temperature)
     return lp * tokens.response_mask.to(device)
+
+
+def token_plan_from_config(r) -> TokenPlan:
+    """The `rollout.*` keys of a run's config as a TokenPlan."""
+    return TokenPlan(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, stop=tuple(r.stop),
+                     batch_size=r.batch_size)
+
+
+def response_metrics(batches: list[Rollout], engine, max_new_tokens: int) -> dict[str, float]:
+    """Mean / max response length of every sample this step, and the share cut at max_new_tokens without ending."""
+    lengths = engine.gather(torch.cat([b.tokens.response_mask.sum(1).float() for b in batches]))
+    return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean())}
+
+
+@SAMPLERS.register("tokens")
+class TokenSampler:
+    """The training step's rollout stage for a token policy (sampling/base.py `PolicySampler`): responses with
+    per-token log-probs from uniforms drawn up front for the whole step (one generator per step: a refill continues
+    it). The held-out evaluation decodes greedily."""
+
+    fp8_auto = False  # model.fp8=auto is measured on diffusion transformers only: off unless asked for
+
+    @staticmethod
+    def plan_from_config(cfg, micro_batch: int, say) -> TokenPlan:
+        return token_plan_from_config(cfg.rollout)
+
+    def __init__(self, adapter: TokenPolicy, plan: TokenPlan, seed: int, reads_media: bool = True):
+        self.adapter, self.plan, self.seed = adapter, plan, seed
+        self.policy = nullcontext  # the actor's sampling policy (the trainer sets it)
+        self.generator: torch.Generator | None = None
+        self.fps = 16.0  # of sample videos (a token policy decodes none today)
+
+    def use_remote(self, remote, max_staleness: int) -> None:
+        raise ValueError("trainer.launcher=ray with rollout.workers > 0 drives diffusion policies; this model is a "
+                         "token policy: use rollout.workers=0")
+
+    def draws(self, group_ids: torch.Tensor, mine: slice, step: int, attempt: int) -> torch.Tensor:
+        if attempt == 0:
+            self.generator = step_generator(self.seed, step)
+        return draw_uniforms(len(group_ids), self.plan, self.generator)[mine]  # the whole step's draws, then ours
+
+    def rollout(self, prompts: list, metadata: list[dict], group_ids: torch.Tensor, draws: torch.Tensor, sink,
+                timer) -> Rollout:
+        with timer("rollout"), self.policy():
+            return token_rollout(self.adapter, prompts, metadata, group_ids, self.plan, draws, sink=sink)
+
+    def prepare_next(self, step: int, group_ids: torch.Tensor, mine: slice, max_steps: int, peek) -> None:
+        pass
+
+    @torch.no_grad()
+    def evaluate(self, prompts: list, metadata: list[dict], seed: int) -> Rollout:
+        """Greedy decoding (the same responses for the same weights)."""
+        greedy = replace(self.plan, temperature=0.0, top_p=1.0)
+        uniforms = torch.zeros((len(prompts), greedy.max_new_tokens), dtype=torch.float64)
+        return token_rollout(self.adapter, list(prompts), list(metadata), torch.arange(len(prompts)), greedy, uniforms)
+
+    def metrics(self, batches: list[Rollout], engine) -> dict[str, float]:
+        return response_metrics(batches, engine, self.plan.max_new_tokens)
+
+    def close(self) -> None:
+        pass

@@ -48,15 +48,19 @@ class MetricsLogger:
     imported only when listed; a logger that fails while the run goes on is reported once and dropped."""
 
     def __init__(self, run_dir: Path, loggers=("tensorboard",), name: str = "polyrl", config: dict | None = None,
-                 warn=None):
+                 warn=None, resumed_at: int | None = None):
+        """`resumed_at`: the step a resumed run continues from (0 when it had no checkpoint): every later step the
+        stopped run logged is dropped (`truncate_after`; TensorBoard purges its events), so each step is logged
+        once."""
         self.path = run_dir / "metrics.jsonl"
         self.warn = warn or (lambda msg: print(msg, file=sys.stderr))
         self.sinks: dict[str, object] = {}
+        self.resume_note = self.truncate_after(resumed_at) if resumed_at is not None else None
         for logger in dict.fromkeys(loggers):
             if logger not in SINKS:
                 raise UserError(f"trainer.loggers: unknown logger {logger!r}; allowed: {', '.join(LOGGERS)}")
             try:
-                self.sinks[logger] = SINKS[logger](run_dir, name, config or {})
+                self.sinks[logger] = SINKS[logger](run_dir, name, config or {}, resumed_at)
             except ImportError as e:
                 self.close()
                 raise UserError(f"trainer.loggers={logger} needs the {logger} package ({e}); pip install {logger}") from None
@@ -96,10 +100,12 @@ class MetricsLogger:
 
 
 class TensorBoardSink:
-    def __init__(self, run_dir: Path, name: str, config: dict):
+    def __init__(self, run_dir: Path, name: str, config: dict, resumed_at: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        # a resumed run hides the stopped run's events after its checkpoint (TensorBoard's purge_step)
+        purge = None if resumed_at is None else resumed_at + 1
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for k, v in scalars.items():
@@ -124,7 +130,7 @@ class WandbSink:
     """A W&B run whose id is derived from the run directory, so a resumed run continues the same W&B run
     (W&B ignores steps it has already seen). Offline: WANDB_MODE=offline (files under run_dir/wandb)."""
 
-    def __init__(self, run_dir: Path, name: str, config: dict):
+    def __init__(self, run_dir: Path, name: str, config: dict, resumed_at: int | None = None):
         import wandb
 
         run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
@@ -143,7 +149,7 @@ class MlflowSink:
     store MLFLOW_TRACKING_URI names; its id is kept in run_dir/mlflow_run_id, so a resumed run logs into it.
     Metric keys have "." where metrics.jsonl has "/" (`reward.mean`)."""
 
-    def __init__(self, run_dir: Path, name: str, config: dict):
+    def __init__(self, run_dir: Path, name: str, config: dict, resumed_at: int | None = None):
         import mlflow
         from mlflow.entities import Param
 
@@ -251,30 +257,6 @@ def save_video_grid(video: torch.Tensor, captions: list[str], scores: list[float
     path.write_bytes(encode_mp4(frames, fps, **sound))
 
 
-def save_samples(batch, stem: Path, fps: float = 16.0, baselines: list[float] | None = None) -> list[Path]:
-    """A batch's decoded media as files a person opens: `<stem>.png` for images; for video `<stem>.mp4` (with one
-    sound track per tile when the model decodes audio too, e.g. LTX-2) and a PNG grid of each clip's middle frame. Captions are the prompts and rewards (and `baselines`, see `grid_image`)."""
-    from ..models.base import prompt_text
-
-    captions = [prompt_text(p) for p in batch.prompts]
-    scores = batch.rewards.tolist() if batch.rewards is not None else None
-    media, written = batch.media or {}, []
-    if "images" in media:
-        written.append(stem.with_suffix(".png"))
-        save_grid(media["images"], captions, scores, written[-1], baselines=baselines)
-    if "video" in media:
-        video = media["video"]
-        written.append(stem.with_suffix(".mp4"))
-        save_video_grid(video, captions, scores, written[-1], fps, baselines=baselines, audio=media.get("audio"))
-        written.append(stem.with_suffix(".png"))
-        save_grid(video[:, video.shape[1] // 2], captions, scores, written[-1], baselines=baselines)
-    if "audio" in media and "video" not in media:  # audio-only models: `<stem>.wav` + spectrogram `<stem>.png`
-        from .audio_samples import save_audio_samples
-
-        written += save_audio_samples(media["audio"], captions, scores, stem, baselines)
-    return written
-
-
 def pick_tiles(keys: list[str], rewards: torch.Tensor, k: int) -> list[int]:
     """k sample indices whose rewards sit at evenly spaced ranks from the lowest to the highest, one sample per
     distinct prompt (`keys`) while there are enough: a grid that spans hard and easy prompts, hardest first."""
@@ -304,7 +286,8 @@ def plot_reward_curve(history: list[dict], path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if train or evals:  # an offline-pairs run logs no reward: an empty legend only warns
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,0 +1,71 @@
+"""The held-out evaluation of a run: the rollout and reward stages without the actor.
+
+Every evaluation samples the same held-out rows from the same seeds, deterministically (the sampler's `evaluate`:
+ODE sampling for a diffusion policy, greedy decoding for a token policy), so two evaluations differ only by the
+weights. Its samples are written under `<run>/samples/`: every sample as a JSON line, and a grid of
+`trainer.num_validation` tiles chosen once per run to span hard to easy prompts (`pick_tiles`), each captioned with
+its reward then and now.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..batch import Rollout
+from ..data.prompts import split_row
+from ..rewards.stage import score_batch
+from .logging import pick_tiles
+from .samples import has_media_files, save_samples, save_text_samples
+
+
+def heldout_rows(rows: list[dict], n: int) -> tuple[list, list[dict]]:
+    """(prompts, metadata) of n samples: the rows in order, from the start again when n exceeds them."""
+    picked = [rows[i % len(rows)] for i in range(n)]
+    prompts, metadata = zip(*(split_row(r) for r in picked), strict=True)
+    return list(prompts), list(metadata)
+
+
+def evaluate(sampler, reward, reward_name: str, rows: list[dict], n: int, seed: int) -> tuple[float, Rollout]:
+    """(mean held-out reward, the scored batch) of n deterministic samples of `rows`."""
+    prompts, metadata = heldout_rows(rows, n)
+    batch = sampler.evaluate(prompts, metadata, seed)
+    score_batch(reward, reward_name, batch)
+    return float(batch.rewards.mean()), batch
+
+
+class SampleFiles:
+    """Writes each evaluation's samples: `samples/step_N.jsonl` (every sample) and, for media, the grid
+    `samples/step_N.{png,mp4,wav}` of the tiles kept in `samples/grid.json` (chosen at the first evaluation, also
+    kept over a resume)."""
+
+    def __init__(self, run_dir: Path, num_tiles: int, fps: float):
+        self.dir, self.num_tiles, self.fps = run_dir / "samples", num_tiles, fps
+        self.tiles: dict | None = None
+
+    def write(self, batch: Rollout, step: int) -> None:
+        stem = self.dir / f"step_{step:06d}"
+        save_text_samples(batch, stem.with_suffix(".jsonl"))
+        if self.num_tiles > 0 and has_media_files(batch):
+            tiles, baselines = self._grid_tiles(batch, step)
+            save_samples(batch.select(torch.tensor(tiles)), stem, self.fps, baselines)
+
+    def _grid_tiles(self, batch: Rollout, step: int) -> tuple[list[int], list[float] | None]:
+        """The grid's samples and their rewards at the first evaluation (None at that evaluation itself)."""
+        path = self.dir / "grid.json"
+        k = min(self.num_tiles, len(batch))
+        if self.tiles is None and path.is_file():
+            try:
+                self.tiles = json.loads(path.read_text())
+            except ValueError:
+                self.tiles = None
+        tiles = (self.tiles or {}).get("tiles", [])
+        if len(tiles) != k or any(not 0 <= i < len(batch) for i in tiles):
+            keys = [p if isinstance(p, str) else json.dumps(p, sort_keys=True, default=str) for p in batch.prompts]
+            tiles = pick_tiles(keys, batch.rewards, k)
+            self.tiles = {"step": step, "tiles": tiles, "rewards": [float(batch.rewards[i]) for i in tiles]}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self.tiles))
+        return tiles, (self.tiles["rewards"] if self.tiles["step"] != step else None)

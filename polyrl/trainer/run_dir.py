@@ -1,0 +1,84 @@
+"""Where a run lives: a new run directory, or the run and checkpoints that `trainer.resume` continues, and the
+command that continues a stopped run."""
+
+from __future__ import annotations
+
+import datetime
+import shlex
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from ..errors import UserError
+from .checkpoint import STATE_FILE, CheckpointError, checkpoint_step, clean_stale, list_checkpoints
+
+
+def resolve_run_dir(cfg: DictConfig) -> tuple[Path, list[Path], list[str]]:
+    """(run directory, checkpoints to resume from (newest first; empty: a fresh start), lines to tell the user).
+
+    `trainer.resume=auto` continues `trainer.output_dir`, or else the newest run of `runs/<name>/`; when that newest
+    run has no checkpoint but an older one has, which one is meant is ambiguous and it refuses, naming the runs.
+    Leftovers of an interrupted checkpoint write in the chosen run are cleaned first (`clean_stale`).
+    """
+    t = cfg.trainer
+    if t.resume not in (None, "auto"):
+        ckpt = Path(t.resume)
+        if not (ckpt / STATE_FILE).is_file():
+            raise CheckpointError(f"trainer.resume={t.resume!r} is not a checkpoint directory (no {STATE_FILE})")
+        checkpoint_step(ckpt)
+        return ckpt.parent.parent, [ckpt], []
+    if t.output_dir is not None:
+        run_dir = Path(t.output_dir)
+        notes = [f"polyrl: {line}" for line in clean_stale(run_dir)]
+        found = list_checkpoints(run_dir)
+        if found and t.resume is None:
+            raise FileExistsError(
+                f"trainer.output_dir={str(run_dir)!r} already holds a run; pass trainer.resume=auto to continue it, "
+                "or choose another trainer.output_dir"
+            )
+        if t.resume == "auto" and not found:
+            notes.append(f"polyrl: trainer.resume=auto: {run_dir} has no checkpoint yet; starting at step 0")
+        return run_dir, found, notes
+    root = Path("runs") / cfg.name
+    runs = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    notes = []
+    if t.resume == "auto":
+        if runs:
+            newest = runs[-1]
+            notes = [f"polyrl: {line}" for line in clean_stale(newest)]
+            found = list_checkpoints(newest)
+            if found:
+                return newest, found, notes
+            older = [(r, list_checkpoints(r)) for r in runs[:-1]]
+            older = [f"{r} (step {checkpoint_step(c[0])})" for r, c in older if c]
+            if older:
+                raise UserError(
+                    f"trainer.resume=auto is ambiguous: the newest run of {cfg.name}, {newest}, has no checkpoint "
+                    f"(it stopped before its first save, or is still running), but older runs have: "
+                    f"{', '.join(older[::-1])}. Continue one with trainer.output_dir=<run> trainer.resume=auto, "
+                    f"or start afresh without trainer.resume"
+                )
+        notes.append(f"polyrl: trainer.resume=auto: no run of {cfg.name} under {root} has a checkpoint; "
+                     "starting a new run")
+    return root / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), [], notes
+
+
+def resolve_on_main(engine, cfg: DictConfig) -> tuple[Path, list[Path], list[str]]:
+    """Rank 0 resolves the run directory (its clock names a new run) and every rank uses its answer or error."""
+    answer = None
+    if engine.is_main:
+        try:
+            answer = resolve_run_dir(cfg)
+        except (UserError, FileNotFoundError, FileExistsError) as e:
+            answer = e
+    answer = engine.broadcast_object(answer)
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
+
+
+def resume_command(overrides: list[str], run_dir: Path) -> str:
+    """The command that continues this run: the same overrides, pinned to its directory, trainer.resume=auto."""
+    keep = [o for o in overrides if not o.lstrip("+~").startswith(("trainer.resume=", "trainer.output_dir="))]
+    args = keep + [f"trainer.output_dir={run_dir}", "trainer.resume=auto"]
+    return "polyrl train " + " ".join(shlex.quote(a) for a in args)

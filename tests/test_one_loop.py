@@ -1,0 +1,131 @@
+"""One step for every policy kind (trainer/step.py): the toy diffusion, token and offline-pairs runs give the
+metrics they gave before the loop was unified, and dynamic sampling works for a diffusion algorithm too.
+
+`one_loop_before.json` was recorded on main at e688569 (the forked loop: Trainer.train_step for diffusion,
+trainer/tokens.py token_step, pair_step) with the runs below, 3 deterministic steps each, 2 CPU threads; the unified
+loop gave the same numbers bit for bit on the 2-core machine it was written on. The comparison allows 1e-6 relative
+so that another CPU's vector units may round float32 sums differently; a changed draw, order or formula moves these
+numbers by far more."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from polyrl.cli.main import main
+
+BEFORE = json.loads((Path(__file__).parent / "one_loop_before.json").read_text())
+COMMON = ["trainer.max_steps=3", "trainer.eval_every=0", "trainer.save_every=0", "trainer.deterministic=true",
+          "trainer.progress=false", "trainer.seed=0"]
+RUNS = {
+    "toy_shapes": ["recipe=toy_shapes", "data.prompts_per_step=2", "rollout.n=4"],
+    "toy_count_grpo": ["recipe=toy_count", "data.prompts_per_step=4"],
+    "toy_count_dapo": ["recipe=toy_count", "algorithm=dapo", "data.prompts_per_step=4"],
+    "toy_motion": ["recipe=toy_motion", "data.prompts_per_step=2", "rollout.n=4"],
+    "toy_shapes_offline_dpo": ["recipe=toy_diffusion_dpo", "data.prompts_per_step=2"],  # + data.pairs_path
+}
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _image_pairs(root: Path) -> Path:
+    """Four offline pairs of flat-colour 64x64 images (the recorder's)."""
+    root.mkdir()
+    rows = []
+    for i, (prompt, a, b) in enumerate([("a red circle", (220, 30, 30), (30, 30, 220)),
+                                        ("a green triangle", (30, 200, 30), (90, 90, 90)),
+                                        ("two blue squares", (30, 30, 220), (200, 200, 30)),
+                                        ("a yellow circle", (230, 230, 30), (10, 10, 10))]):
+        Image.fromarray(np.full((64, 64, 3), a, np.uint8)).save(root / f"{i}a.png")
+        Image.fromarray(np.full((64, 64, 3), b, np.uint8)).save(root / f"{i}b.png")
+        rows.append({"prompt": prompt, "chosen": f"{i}a.png", "rejected": f"{i}b.png"})
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root / "pairs.jsonl"
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_every_kind_gives_the_metrics_of_the_forked_loop(name, tmp_path):
+    args = RUNS[name] + (["data.pairs_path=" + str(_image_pairs(tmp_path / "pairs"))] if "offline" in name else [])
+    run = tmp_path / "run"
+    assert main(["train", *args, *COMMON, f"trainer.output_dir={run}"]) == 0
+    after = _metrics(run)
+    assert [m["step"] for m in after] == [1, 2, 3]
+    for before, now in zip(BEFORE[name], after, strict=True):
+        for key, value in before.items():
+            assert now[key] == pytest.approx(value, rel=1e-6, abs=1e-12), (name, now["step"], key)
+
+
+class FlatForCircles:
+    """A reward that is constant for prompts with "circle" (their groups are flat) and the image's mean
+    brightness otherwise; it records every prompt it scored."""
+
+    seen: list[str] = []
+
+    def __init__(self, **unused):
+        pass
+
+    def __call__(self, images, prompts, metadata):
+        import torch
+
+        from polyrl.rewards import RewardOutput
+
+        FlatForCircles.seen += list(prompts)
+        means = images.mean(dim=(1, 2, 3))
+        flat = torch.tensor(["circle" in p for p in prompts])
+        return RewardOutput(torch.where(flat, torch.full_like(means, 0.5), means))
+
+
+def _diffusion_args(model_dir, prompts, out, extra=()):
+    return ["train", f"model.path={model_dir}", f"data.path={prompts}", "data.heldout_path=null",
+            f"trainer.output_dir={out}", "trainer.max_steps=2", "rollout.height=32", "rollout.width=32",
+            "rollout.num_steps=3", "rollout.n=2", "data.prompts_per_step=2", "rollout.batch_size=4",
+            "model.max_sequence_length=16", "trainer.progress=false", "trainer.tensorboard=false",
+            "trainer.eval_every=0", "trainer.save_every=0", "reward.name=test_flat_for_circles",
+            "rollout.sde_window_size=2", "rollout.sde_window_range=[0,1]", "trainer.deterministic=true", *extra]
+
+
+def test_dynamic_sampling_refills_flat_groups_for_a_diffusion_algorithm(tiny_sd3_dir, tmp_path):
+    from polyrl.rewards import REWARDS
+
+    REWARDS.setdefault("test_flat_for_circles", FlatForCircles)
+    prompts = tmp_path / "prompts.txt"  # two of four prompts give flat groups
+    prompts.write_text("a blue circle\na green triangle\nthree yellow squares\ntwo red circles above a blue square\n")
+    FlatForCircles.seen = []
+    out = tmp_path / "dynamic"
+    assert main(_diffusion_args(tiny_sd3_dir, prompts, out, ["algorithm.dynamic_sampling=true",
+                                                             "algorithm.max_refills=4"])) == 0
+    rows = _metrics(out)
+    for row in rows:  # every step ends with its 2 groups with a signal, 4 samples, after as many refills as it took
+        assert row["flow_grpo/kept_groups"] == 2 and row["train/samples"] == 4
+    attempts = sum(r["flow_grpo/refills"] + 1 for r in rows)
+    assert len(FlatForCircles.seen) == attempts * 2 * 2  # every rollout drew 2 fresh groups of 2 samples
+    assert any("circle" in p for p in FlatForCircles.seen) and attempts > len(rows)  # flat groups were refilled
+
+    # without dynamic sampling the same run trains on the flat groups too, and logs no refill
+    plain = tmp_path / "plain"
+    assert main(_diffusion_args(tiny_sd3_dir, prompts, plain)) == 0
+    assert all("flow_grpo/refills" not in r and r["train/samples"] == 4 for r in _metrics(plain))
+
+
+def test_a_step_that_ends_short_trains_on_what_it_has_and_says_so(tiny_sd3_dir, tmp_path):
+    from polyrl.rewards import REWARDS
+
+    REWARDS.setdefault("test_flat_for_circles", FlatForCircles)
+    prompts = tmp_path / "prompts.txt"  # every group is flat: nothing to keep
+    prompts.write_text("a blue circle\ntwo red circles\n")
+    out = tmp_path / "run"
+    assert main(_diffusion_args(tiny_sd3_dir, prompts, out, ["algorithm.dynamic_sampling=true",
+                                                             "algorithm.max_refills=2", "trainer.max_steps=1"])) == 0
+    (row,) = _metrics(out)
+    assert row["flow_grpo/refills"] == 2 and row["flow_grpo/kept_groups"] == 0 and row["train/samples"] == 0
+
+
+def test_a_step_option_with_a_bad_value_is_a_config_error(tiny_sd3_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a blue circle\n")
+    assert main(_diffusion_args(tiny_sd3_dir, prompts, tmp_path / "run", ["algorithm.max_refills=-1"])) == 2
+    assert "polyrl: config error: algorithm.max_refills=-1 must be an integer >= 0" in capsys.readouterr().err
