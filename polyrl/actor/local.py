@@ -358,7 +358,10 @@ class LocalActor:
 
     # ------------------------------------------------------------------------------------ PolicyEvaluator
     def _cond(self, batch: Rollout, dev):
-        return {k: v.to(dev) for k, v in batch.cond.items()}, {k: v.to(dev) for k, v in batch.shared.items()}
+        cond = {k: v.to(dev) for k, v in batch.cond.items()}
+        if "replay" in batch.extras:  # the network calls an adapter recorded in its own loop (models/diffusers_pipeline.py)
+            cond["replay"] = batch.extras["replay"]
+        return cond, {k: v.to(dev) for k, v in batch.shared.items()}
 
     def stream_sigmas(self, sigma: torch.Tensor):
         return stream_sigmas(self.adapter, sigma)

@@ -187,6 +187,68 @@ class Sampled(NamedTuple):
     means: Latents  # each (B, W, ...): the window's transition means
 
 
+class Walk:
+    """One chunk's way down the sigma grid: the step math, its noise and SDE window, and what the rollout keeps
+    (the window's states, log-probs, levels and means). `sample_latents` asks the adapter for each step's velocity;
+    an adapter that owns its sampling loop (`run_pipeline`, models/diffusers_pipeline.py) calls `step` itself."""
+
+    def __init__(self, adapter: DiffusionPolicy, noise: RolloutNoise, plan: SamplingPlan):
+        self.adapter, self.plan = adapter, plan
+        self.sigmas = adapter.sigmas(plan.num_steps, plan.shape)
+        self.sigma_1 = stream_sigma_1(adapter, self.sigmas)
+        self.starts = noise.starts
+        self.b, self.w = len(self.starts), plan.trained_steps
+        device = self.device = adapter.device
+        # every per-step input goes to the device once per chunk, each step's noise as its own (contiguous, so still
+        # pinned) slice: a copy from pageable host memory makes the host wait for all the device's queued work
+        self.x = to_device(noise.initial, device, torch.float32, non_blocking=True)
+        self.grid = self.sigmas.to(device, non_blocking=True)
+        self.starts_on = self.starts.to(device, non_blocking=True)
+        self.step_noise = {k: [z.to(device, non_blocking=True) for z in s] for k, s in noise.steps.items()}
+        self.step_fn = STEPS[plan.step]
+        self.states, self.log_probs, self.levels, self.means = [self.x], [], [], []
+
+    def sigma(self, j: int) -> torch.Tensor:
+        return self.grid[j].expand(self.b)
+
+    def trained(self) -> torch.Tensor:
+        """(B, N) bool on the host: the steps each sample's SDE window covers (every step without a window)."""
+        j = torch.arange(self.plan.num_steps).view(1, -1)
+        start = self.starts.view(-1, 1)
+        return (j >= start) & (j < start + self.w)
+
+    def step(self, j: int, v: Latents) -> Latents:
+        """Step j from the current state with velocity `v`; returns (and keeps) the next state."""
+        level = self.plan.noise_level * ((j >= self.starts_on) & (j < self.starts_on + self.w)).float()
+        sigma, sigma_next = self.grid[j].expand(self.b), self.grid[j + 1].expand(self.b)
+        with region("step_math/rollout"):
+            z = {k: s[j] for k, s in self.step_noise.items()}
+            out = step_latents(self.step_fn, self.x, v, stream_sigmas(self.adapter, sigma),
+                               stream_sigmas(self.adapter, sigma_next), level, self.sigma_1, noise=z,
+                               log_density=self.plan.log_density)
+        self.x = out.sample
+        self.states.append(self.x)
+        self.means.append(out.mean)
+        self.log_probs.append(out.log_prob)
+        self.levels.append(level)
+        return self.x
+
+    def result(self) -> Sampled:
+        # the window is gathered on the device: only its W+1 states (of N+1) will cross to the host
+        b, w, device = self.b, self.w, self.device
+        pos = self.starts.view(-1, 1) + torch.arange(w + 1).view(1, -1)  # (B, W+1)
+        pos_on = self.starts_on.view(-1, 1) + torch.arange(w + 1, device=device).view(1, -1)
+        rows_on = torch.arange(b, device=device).view(-1, 1)
+        return Sampled(
+            latents=map_latents(lambda t: t[rows_on, pos_on], stack_latents(self.states)),
+            log_probs=torch.gather(torch.stack(self.log_probs, 1), 1, pos_on[:, :w]),
+            sigmas=self.sigmas[pos],
+            noise_levels=torch.gather(torch.stack(self.levels, 1), 1, pos_on[:, :w]),
+            final=self.x,
+            means=map_latents(lambda t: t[rows_on, pos_on[:, :w]], stack_latents(self.means)),
+        )
+
+
 @torch.no_grad()
 def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: RolloutNoise, plan: SamplingPlan) -> Sampled:
     """Run the sampler for one chunk. Nothing in it waits for the device: the results stay there (the caller
@@ -199,21 +261,9 @@ def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: Ro
     training micro-batch have the same rows. The steps no sample trains run it too: the twin compiled for them alone
     (the last of flow_grpo's 10 steps) cost a cold start one more graph per block kind. It costs the training
     forward's activation memory, freed after each call."""
-    sigmas = adapter.sigmas(plan.num_steps, plan.shape)
-    sigma_1 = stream_sigma_1(adapter, sigmas)
-    starts = noise.starts
-    b, w = len(starts), plan.trained_steps
-    device = adapter.device
-    # every per-step input goes to the device once per chunk, each step's noise as its own (contiguous, so still
-    # pinned) slice: a copy from pageable host memory makes the host wait for all the device's queued work
-    x = to_device(noise.initial, device, torch.float32, non_blocking=True)
-    grid, starts_on = sigmas.to(device, non_blocking=True), starts.to(device, non_blocking=True)
-    step_noise = {k: [z.to(device, non_blocking=True) for z in s] for k, s in noise.steps.items()}
-    step_fn = STEPS[plan.step]
-    states, log_probs, levels, means = [x], [], [], []
+    walk = Walk(adapter, noise, plan)
     for j in range(plan.num_steps):
-        level = plan.noise_level * ((j >= starts_on) & (j < starts_on + w)).float()
-        sigma, sigma_next = grid[j].expand(b), grid[j + 1].expand(b)
+        x, sigma = walk.x, walk.sigma(j)
         if plan.training_graph:
             flops = adapter.flops
             with region("velocity/rollout"), as_in_training(adapter):
@@ -222,27 +272,20 @@ def sample_latents(adapter: DiffusionPolicy, cond: Cond, shared: Cond, noise: Ro
         else:
             with region("velocity/rollout"):
                 v = adapter.velocity(x, sigma, cond, shared, plan.guidance.scale)
-        with region("step_math/rollout"):
-            z = {k: s[j] for k, s in step_noise.items()}
-            out = step_latents(step_fn, x, v, stream_sigmas(adapter, sigma), stream_sigmas(adapter, sigma_next),
-                               level, sigma_1, noise=z, log_density=plan.log_density)
-        x = out.sample
-        states.append(x)
-        means.append(out.mean)
-        log_probs.append(out.log_prob)
-        levels.append(level)
-    # the window is gathered on the device: only its W+1 states (of N+1) will cross to the host
-    pos = starts.view(-1, 1) + torch.arange(w + 1).view(1, -1)  # (B, W+1)
-    pos_on = starts_on.view(-1, 1) + torch.arange(w + 1, device=device).view(1, -1)
-    rows_on = torch.arange(b, device=device).view(-1, 1)
-    return Sampled(
-        latents=map_latents(lambda t: t[rows_on, pos_on], stack_latents(states)),
-        log_probs=torch.gather(torch.stack(log_probs, 1), 1, pos_on[:, :w]),
-        sigmas=sigmas[pos],
-        noise_levels=torch.gather(torch.stack(levels, 1), 1, pos_on[:, :w]),
-        final=x,
-        means=map_latents(lambda t: t[rows_on, pos_on[:, :w]], stack_latents(means)),
-    )
+        walk.step(j, v)
+    return walk.result()
+
+
+@torch.no_grad()
+def sample_pipeline(adapter, prompts: list[Prompt], noise: RolloutNoise, plan: SamplingPlan,
+                    decode: bool) -> tuple[Sampled, dict | None, list, float]:
+    """One chunk from an adapter that owns its sampling loop (models/diffusers_pipeline.py): its
+    `run_pipeline(prompts, initial, step, trained, plan, decode)` runs the loop and calls `step(j, v)` (`Walk`:
+    the same step math, noise and window as `sample_latents`) with each step's velocity; it returns (decoded media
+    or None, one record per sample of what training replays, decode seconds)."""
+    walk = Walk(adapter, noise, plan)
+    media, records, decode_s = adapter.run_pipeline(prompts, walk.x, walk.step, walk.trained(), plan, decode)
+    return walk.result(), media, records, decode_s
 
 
 def _host_like(value, pinned: bool, rows: int | None = None):
@@ -286,15 +329,23 @@ def rollout(
     pinned = adapter.device.type == "cuda"
     host_cond, host_shared = to_host(cond, pinned), to_host(shared, pinned)
     host, chunks = None, []
+    # an adapter that runs its own sampling loop records per sample the network calls training replays (`extras`)
+    owns_loop, replay = hasattr(adapter, "run_pipeline"), []
     for i in range(0, b, plan.batch_size):
         sl = slice(i, min(b, i + plan.batch_size))
         chunk_cond = {k: v[sl] for k, v in cond.items()}
-        part = sample_latents(adapter, chunk_cond, shared, noise.select(sl), plan)
+        if owns_loop:
+            part, media, records, decode_s = sample_pipeline(adapter, prompts[sl], noise.select(sl), plan, decode)
+            replay += records
+            media, ready = (None if media is None else cpu_media(media)), (lambda s=decode_s: s)
+        else:
+            part = sample_latents(adapter, chunk_cond, shared, noise.select(sl), plan)
         if host is None:
             host = _host_like(part, pinned, rows=b)
         _copy_rows(host, part, sl, pinned)
-        media, ready = (decode_chunk(adapter, part.final, chunk_cond) if decode
-                        else (None, _queued_work_done(adapter.device)))
+        if not owns_loop:
+            media, ready = (decode_chunk(adapter, part.final, chunk_cond) if decode
+                            else (None, _queued_work_done(adapter.device)))
         chunks.append(MediaChunk(sl, {k: v[sl] for k, v in host.final.items()}, media, ready))
         if sink is not None:
             sink.put(chunks[-1])
@@ -305,6 +356,7 @@ def rollout(
         prompts=list(prompts), metadata=list(metadata), group_ids=group_ids, cond=host_cond, shared=host_shared,
         latents=host.latents, log_probs=host.log_probs, sigmas=host.sigmas, noise_levels=host.noise_levels,
         final=host.final, media=cat_media([c.media for c in chunks]) if decode else None, old_means=host.means,
+        extras={"replay": replay} if owns_loop else {},
     )
 
 

@@ -1,0 +1,543 @@
+"""Any diffusers flow-matching pipeline, trained without a model file: record the rollout, replay the denoiser
+(`model=diffusers_pipeline model.path=DIR`; docs/image_models.md "The generic pipeline adapter").
+
+**Rollout.** The pipeline's own `__call__` runs, with its scheduler stood in for by `_Stepper`: the pipeline's
+scheduler still sets the grid (`set_timesteps`, `timesteps`, `sigmas`, its config), but `step` is polyrl's sampler
+(sampling/diffusion.py `Walk`: the `sde` / `cps` / `dance` step, the SDE window, the same noise draws as every
+dedicated adapter), which receives the velocity the pipeline computed. A forward pre-hook on each denoiser
+(`transformer`, `transformer_2`) records the arguments of every call made at a step some sample trains (nothing at
+the others), and a forward hook its output.
+
+**The combination is identified, never assumed.** At each recorded step the outputs of that step's calls are split
+into branches (row blocks of B samples: one call of 2B rows is two branches) and every known form is tried against
+the velocity the scheduler received, to 1e-5 relative (float32; 1e-2 for a half-precision network):
+
+| form | velocity (§1 CFG) | pipelines |
+|---|---|---|
+| `identity` | ±o | no CFG, guidance-distilled or guidance-embedding (FLUX, Chroma at scale 1) |
+| `cfg` | ±(u + s·(c − u)), either branch order | SD3 (one batched call), Wan (two calls), Sana, HiDream, HunyuanVideo-1.5 |
+| `cfg_renorm` | g·‖c‖/‖g‖ over the last dim, g = u + s·(c − u) | Qwen-Image's true CFG |
+
+where s is the guidance scale the pipeline was called with. A step whose outputs match none (three branches, a
+rescale, APG, STG, a latent edit between steps) is refused with one `polyrl: error:` line naming the pipeline class
+and what was seen; a log-prob is never computed against a velocity the replay cannot reproduce.
+
+**Replay.** Each sample keeps, per trained step, its rows of every recorded argument (`Rollout.extras["replay"]`;
+an argument equal to the latents is not stored but taken from the latents the actor passes; one that is the same
+tensor at every step, e.g. the prompt's embeddings, is stored once per sample), plus the call structure and the
+identified form. `velocity` finds each sample's record by its σ, batches the samples whose calls have the same
+structure, calls the live denoisers (LoRA weights with gradients) and recombines the outputs with the recorded
+form: the velocity the scheduler received, as a function of the trained weights.
+
+Decoding is the pipeline's own (`output_type="pt"`); a reward that reads latents gets the final latents in the
+pipeline's layout (packed for FLUX-like pipelines). The sampled latents are one entry, `latents`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from ..latents import Latents, MediaShape
+from .base import Cond, Guidance, Media, Prompt, register_model, text_only
+from .diffusers_base import DTYPES, load_model_index
+from .options import read_options
+from .wan import wan_sigmas
+
+DENOISERS = ("transformer", "transformer_2")
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+# ----------------------------------------------------------------------------------------------- combinations
+def cfg(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
+    """Classifier-free guidance u + s·(c − u) (docs/algorithms.md §1 CFG), in the order diffusers writes it."""
+    return uncond + scale * (cond - uncond)
+
+
+def cfg_renorm(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
+    """True CFG with norm rescale (Qwen-Image): g = u + s·(c − u), then g·‖c‖/‖g‖ with norms over the last dim."""
+    guided = cfg(uncond, cond, scale)
+    return guided * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(guided, dim=-1, keepdim=True))
+
+
+COMBINATIONS = {"cfg": cfg, "cfg_renorm": cfg_renorm}
+
+
+def combine(form: tuple, branches: list[torch.Tensor], guidance: float | None = None) -> torch.Tensor:
+    """The velocity of `form` = (kind, branch order, scale, sign) from the branch outputs, in their dtype.
+    `guidance` 1 on a CFG form gives the conditional branch alone (the actor's guidance-free velocity)."""
+    kind, order, scale, sign = form
+    if kind == "identity":
+        return sign * branches[order[0]]
+    uncond, cond = branches[order[0]], branches[order[1]]
+    if guidance == 1.0:
+        return sign * cond
+    return sign * COMBINATIONS[kind](uncond, cond, scale)
+
+
+def candidate_forms(branches: int, scales: list[float]) -> list[tuple]:
+    """The known forms for a step with `branches` row blocks of B samples (see the module docstring)."""
+    if branches == 1:
+        return [("identity", (0,), 1.0, sign) for sign in (1.0, -1.0)]
+    if branches != 2:
+        return []
+    return [(kind, order, s, sign) for kind in ("cfg", "cfg_renorm") for order in ((0, 1), (1, 0))
+            for s in scales for sign in (1.0, -1.0)]
+
+
+def identify(branches: list[torch.Tensor], velocity: torch.Tensor, scales: list[float]) -> tuple[tuple | None, str]:
+    """The first known form that maps `branches` to `velocity` within the dtype's tolerance (relative L2), or
+    (None, what was seen)."""
+    if any(b.shape != velocity.shape for b in branches):
+        shapes = ", ".join(str(tuple(b.shape)) for b in branches)
+        return None, f"denoiser outputs of shape {shapes} per branch vs. a velocity of shape {tuple(velocity.shape)}"
+    tol = max(TOLERANCE.get(b.dtype, 1e-2) for b in branches)
+    norm = velocity.norm().clamp_min(1e-30)
+    best = (float("inf"), None)
+    for form in candidate_forms(len(branches), scales):
+        err = float((combine(form, branches).float() - velocity).norm() / norm)
+        if err <= tol:
+            return form, ""
+        best = min(best, (err, form), key=lambda t: t[0])
+    if best[1] is None:
+        return None, f"{len(branches)} output branches of B rows (known forms take 1 or 2)"
+    kind, order, s, sign = best[1]
+    return None, (f"{len(branches)} output branch(es); the closest known form, {kind} (order {order}, scale {s:g}, "
+                  f"sign {sign:+g}), is off by {best[0]:.2e} relative (tolerance {tol:g})")
+
+
+def first_tensor(output) -> torch.Tensor:
+    """A denoiser's output tensor: the tensor, a tuple's first entry (return_dict=False) or the `.sample`."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, tuple | list):
+        return output[0]
+    return output.sample if hasattr(output, "sample") else output[0]
+
+
+def attention_lora_targets(networks: dict[str, torch.nn.Module]) -> list[str]:
+    """Names (relative to their attention module) of the linear layers inside every attention module of the
+    denoisers: q/k/v/out and the joint-attention text projections, whatever a family calls them."""
+    names = set()
+    for network in networks.values():
+        for _, module in network.named_modules():
+            if "Attention" not in type(module).__name__:
+                continue
+            for name, child in module.named_modules():
+                if name and isinstance(child, torch.nn.Linear):
+                    names.add(name)
+    return sorted(names)
+
+
+def recorded_bytes(records: list) -> int:
+    """Bytes of the per-sample argument tensors held by `Rollout.extras["replay"]` (each tensor counted once)."""
+    seen, total = set(), 0
+    for steps in records:
+        for rec in steps:
+            for slot in rec["slots"]:
+                if isinstance(slot, torch.Tensor) and id(slot) not in seen:
+                    seen.add(id(slot))
+                    total += slot.numel() * slot.element_size()
+    return total
+
+
+# ----------------------------------------------------------------------------------------------- recording
+def _fingerprint(spec) -> str:
+    """A string equal for two call structures that replay as one batch (constant tensors by their bytes)."""
+    def walk(s):
+        tag = s[0]
+        if tag == "const":
+            v = s[1]
+            if isinstance(v, torch.Tensor):
+                data = v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+                return ("T", tuple(v.shape), str(v.dtype), hashlib.sha1(data).hexdigest())
+            return ("V", repr(v))
+        if tag in ("list", "tuple"):
+            return (tag, tuple(walk(e) for e in s[1]))
+        if tag == "dict":
+            return (tag, tuple((k, walk(e)) for k, e in s[1].items()))
+        return s
+    calls, form = spec
+    return repr((tuple((name, walk(a), walk(k)) for name, a, k in calls), form))
+
+
+class _Stepper:
+    """Stands in for the pipeline's scheduler: everything but `step` is the pipeline's own scheduler's, and so is
+    the grid where that scheduler is a flow-matching Euler one. A multistep scheduler (UniPC, DPM-Solver: Wan, Sana)
+    gets the shifted linear grid in its place, σ_i = s·u_i/(1 + (s − 1)·u_i), u = linspace(1, 0, N+1), with its
+    `flow_shift` / `shift` (models/wan.py `wan_sigmas`, as the dedicated adapters replace it), and timesteps
+    1000·σ_i."""
+
+    def __init__(self, inner, on_step):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        self.__dict__.update(_inner=inner, _on_step=on_step)
+        if not isinstance(inner, FlowMatchEulerDiscreteScheduler):  # else its own (whose signature pipelines inspect)
+            self.__dict__["set_timesteps"] = self._linear_grid
+
+    def _linear_grid(self, num_inference_steps=None, device=None, **kwargs):
+        inner = self._inner
+        inner.set_timesteps(num_inference_steps, device=device)
+        config = inner.config
+        shift = config.get("flow_shift") or config.get("shift") or 1.0
+        sigmas = wan_sigmas(num_inference_steps, float(shift)).to(device or "cpu")
+        inner.sigmas = sigmas
+        inner.timesteps = sigmas[:-1] * config.get("num_train_timesteps", 1000)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_inner"], name)
+
+    def __setattr__(self, name, value):
+        setattr(self._inner, name, value)
+
+    def step(self, model_output, timestep, sample, *args, return_dict: bool = True, **kwargs):
+        out = self._on_step(model_output, timestep, sample)
+        if return_dict:
+            from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteSchedulerOutput
+
+            return FlowMatchEulerDiscreteSchedulerOutput(prev_sample=out)
+        return (out,)
+
+
+class _Probed(Exception):
+    def __init__(self, sample: torch.Tensor):
+        self.sample = sample
+
+
+class _Recorder:
+    """One pipeline call's state: the sampler's step, the denoiser calls of the current step, each sample's
+    records of its trained steps."""
+
+    def __init__(self, name: str, x: torch.Tensor, step, trained: torch.Tensor, sigmas: torch.Tensor,
+                 scales: list[float]):
+        self.name, self.x, self.walk_step, self.trained, self.sigmas, self.scales = name, x, step, trained, sigmas, scales
+        self.j, self.calls = 0, []
+        self.b = x.shape[0]
+        self.records: list[list[dict]] = [[] for _ in range(self.b)]
+        self._slices: dict[int, tuple] = {}  # id(argument) -> (argument, its per-sample rows): shared across steps
+        self.last_step = time.perf_counter()
+
+    def recording(self) -> bool:
+        return self.j < self.trained.shape[1] and bool(self.trained[:, self.j].any())
+
+    def pre_hook(self, network: str):
+        def hook(module, args, kwargs):
+            if self.recording():
+                self.calls.append([network, args, kwargs, None])
+        return hook
+
+    def post_hook(self):
+        def hook(module, args, kwargs, output):
+            if self.recording():
+                self.calls[-1][3] = first_tensor(output).detach()
+        return hook
+
+    def on_step(self, model_output: torch.Tensor, timestep, sample: torch.Tensor) -> torch.Tensor:
+        j = self.j
+        if j >= self.trained.shape[1]:
+            raise UserError(f"model=diffusers_pipeline: {self.name} stepped its scheduler more than "
+                            f"num_inference_steps={self.trained.shape[1]} times (a multistep or second-order loop)")
+        if sample.shape != self.x.shape or not torch.equal(sample, self.x.to(sample.dtype)):
+            raise UserError(f"model=diffusers_pipeline: {self.name} changed its latents between scheduler steps (at "
+                            f"step {j}), so a replay of its calls would not see what it sampled from")
+        v = model_output.float()
+        if v.shape != self.x.shape:
+            raise UserError(f"model=diffusers_pipeline: {self.name} stepped with a velocity of shape "
+                            f"{tuple(v.shape)} for latents of shape {tuple(self.x.shape)}")
+        if self.recording():
+            self._keep(j, v)
+        self.x = self.walk_step(j, {"latents": v})["latents"]
+        self.j, self.calls = j + 1, []
+        self.last_step = time.perf_counter()
+        return self.x.to(sample.dtype)
+
+    def _keep(self, j: int, v: torch.Tensor) -> None:
+        """Identify step j's combination and keep each training sample's rows of its calls."""
+        b = self.b
+        if not self.calls or any(c[3] is None for c in self.calls):
+            raise UserError(f"model=diffusers_pipeline: {self.name} called no denoiser ({', '.join(DENOISERS)}) "
+                            f"before scheduler step {j}")
+        outs = [c[3] for c in self.calls]
+        rows = [o.shape[0] for o in outs]
+        if any(n % b for n in rows):
+            raise UserError(f"model=diffusers_pipeline: {self.name} called its denoiser with {rows} rows at step {j} "
+                            f"for a batch of {b} samples (not a multiple)")
+        branches = [o.reshape(n // b, b, *o.shape[1:])[r] for o, n in zip(outs, rows, strict=True)
+                    for r in range(n // b)]
+        form, seen = identify(branches, v, self.scales)
+        if form is None:
+            raise UserError(f"model=diffusers_pipeline: {self.name} combines its denoiser outputs in no known form "
+                            f"at step {j}: {len(outs)} call(s) of {rows} rows, {seen}; known: identity, cfg, "
+                            f"cfg_renorm (models/diffusers_pipeline.py)")
+        slots: list = []
+        calls = tuple((name, self._split(args, n, slots), self._split(kwargs, n, slots))
+                      for (name, args, kwargs, _), n in zip(self.calls, rows, strict=True))
+        spec = (calls, form)
+        key = _fingerprint(spec)
+        sigma = float(self.sigmas[j])
+        for i in range(b):
+            if self.trained[i, j]:
+                self.records[i].append({"sigma": sigma, "key": key, "spec": spec,
+                                        "slots": [s[i] for s in slots]})
+
+    def _split(self, value, n: int, slots: list):
+        """A call argument -> its structure, with per-row values moved to `slots` (one list per slot: per sample)."""
+        b, m = self.b, n // self.b
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0 or value.shape[0] != n:
+                return ("const", value.detach().cpu())
+            blocks = value.detach().reshape(m, b, *value.shape[1:])
+            if value.is_floating_point() and value.shape[1:] == self.x.shape[1:]:
+                x = self.x.to(value.dtype)
+                if all(torch.equal(blocks[r], x) for r in range(m)):
+                    return ("latent", value.dtype, m)
+            if id(value) not in self._slices:
+                self._slices[id(value)] = (value, [blocks[:, i].cpu().clone() for i in range(b)])
+            slots.append(self._slices[id(value)][1])
+            return ("rows", len(slots) - 1, m)
+        if isinstance(value, list) and len(value) == n and not any(isinstance(e, torch.Tensor) for e in value):
+            slots.append([[value[r * b + i] for r in range(m)] for i in range(b)])
+            return ("rowlist", len(slots) - 1, m)
+        if isinstance(value, list | tuple):
+            return ("list" if isinstance(value, list) else "tuple", [self._split(e, n, slots) for e in value])
+        if isinstance(value, dict):
+            return ("dict", {k: self._split(e, n, slots) for k, e in value.items()})
+        return ("const", value)
+
+
+def _build(spec, recs: list[dict], x: torch.Tensor, device: torch.device):
+    """A recorded argument structure -> the arguments of one call for the samples of `recs` (rows block-major, as
+    the pipeline laid them out: block r holds every sample's r-th row)."""
+    tag = spec[0]
+    if tag == "latent":
+        _, dtype, m = spec
+        x = x.to(dtype)
+        return torch.cat([x] * m) if m > 1 else x
+    if tag == "rows":
+        _, slot, m = spec
+        stacked = torch.stack([r["slots"][slot] for r in recs]).to(device)  # (G, m, ...)
+        return stacked.transpose(0, 1).reshape(m * len(recs), *stacked.shape[2:])
+    if tag == "rowlist":
+        _, slot, m = spec
+        return [r["slots"][slot][k] for k in range(m) for r in recs]
+    if tag == "const":
+        return spec[1].to(device) if isinstance(spec[1], torch.Tensor) else spec[1]
+    if tag == "list":
+        return [_build(s, recs, x, device) for s in spec[1]]
+    if tag == "tuple":
+        return tuple(_build(s, recs, x, device) for s in spec[1])
+    return {k: _build(s, recs, x, device) for k, s in spec[1].items()}
+
+
+# ----------------------------------------------------------------------------------------------- the policy
+@register_model("diffusers_pipeline")
+class PipelinePolicy:
+    """A diffusers flow-matching pipeline run as it is (see the module docstring)."""
+
+    family = "diffusers_pipeline"
+    # `model.options`: `pipeline` a diffusers pipeline class name ("" = model_index.json's `_class_name`);
+    # `max_sequence_length` passed to the pipeline where it takes one (null: the pipeline's default)
+    options = {"pipeline": "", "max_sequence_length": None}
+
+    def __init__(self, cfg, device: torch.device):
+        import diffusers
+
+        self.opts = read_options(self.options, dict(getattr(cfg, "options", None) or {}))
+        self.root = Path(cfg.path)
+        index = load_model_index(self.root)
+        name = self.opts["pipeline"] or index.get("_class_name", "")
+        cls = getattr(diffusers, name, None)
+        if cls is None or not hasattr(cls, "from_pretrained"):
+            raise UserError(f"model.options.pipeline={name!r} is not a diffusers pipeline class (diffusers "
+                            f"{diffusers.__version__})")
+        self.device, self.dtype = device, DTYPES[cfg.dtype]
+        self.pipe = cls.from_pretrained(str(self.root), dtype=self.dtype).to(device)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.name = type(self.pipe).__name__
+        for component in self.pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                component.requires_grad_(False).eval()
+        self.networks = {n: getattr(self.pipe, n) for n in DENOISERS
+                         if isinstance(getattr(self.pipe, n, None), torch.nn.Module)}
+        if not self.networks:
+            raise UserError(f"model=diffusers_pipeline: {self.name} at {self.root} has no denoiser named "
+                            f"{' or '.join(DENOISERS)}")
+        self.params = inspect.signature(self.pipe.__call__).parameters
+        for needed in ("latents", "num_inference_steps", "output_type"):
+            if needed not in self.params:
+                raise UserError(f"model=diffusers_pipeline: {self.name}.__call__ takes no `{needed}`")
+        self.default_lora_targets = attention_lora_targets(self.networks)
+        self.flops = 0.0  # not counted: the generic adapter knows no architecture (docs/algorithms.md §6)
+        self._probed: dict = {}
+
+    def modules(self) -> dict[str, torch.nn.Module]:
+        return self.networks
+
+    # ------------------------------------------------------------------------------------------- prompts
+    def encode_prompts(self, prompts: list[Prompt]) -> Cond:
+        """Nothing: the pipeline encodes its prompts itself; what training needs is recorded by the rollout."""
+        text_only(prompts, self.family)
+        return {}
+
+    def encode_guidance(self, guidance: Guidance) -> Cond:
+        return {}
+
+    # ------------------------------------------------------------------------------------------- the pipeline call
+    def _call_kwargs(self, texts: list[str], shape: MediaShape, num_steps: int, guidance: Guidance,
+                     latents: torch.Tensor | None, output_type: str) -> dict:
+        kw = {"prompt": texts, "num_inference_steps": num_steps, "output_type": output_type, "latents": latents}
+        for key, value in (("height", shape.height), ("width", shape.width)):
+            if key in self.params:
+                kw[key] = value
+        if shape.is_video:
+            if "num_frames" not in self.params:
+                raise UserError(f"rollout.num_frames={shape.frames}: {self.name} makes no video (no `num_frames`)")
+            kw["num_frames"] = shape.frames
+        scale_key = "true_cfg_scale" if "true_cfg_scale" in self.params else "guidance_scale"
+        if scale_key in self.params:
+            kw[scale_key] = guidance.scale
+        elif guidance.scale != 1.0:
+            raise UserError(f"rollout.guidance_scale={guidance.scale}: {self.name} takes no guidance scale")
+        if guidance.scale != 1.0 and "negative_prompt" in self.params:
+            kw["negative_prompt"] = [guidance.negative_prompt] * len(texts)
+        if self.opts["max_sequence_length"] is not None and "max_sequence_length" in self.params:
+            kw["max_sequence_length"] = int(self.opts["max_sequence_length"])
+        if "generator" in self.params:  # draws the pipeline makes besides the initial noise (none for text-to-X)
+            kw["generator"] = torch.Generator(self.device).manual_seed(0)
+        return kw
+
+    @contextmanager
+    def _running(self, stepper: _Stepper, recorder: _Recorder | None = None):
+        """The pipeline with `stepper` as its scheduler, the live networks (the actor may swap one for a policy's)
+        as its denoisers and, with a recorder, the recording hooks on them."""
+        pipe, names = self.pipe, ["scheduler", *self.networks]
+        saved = {n: pipe.__dict__[n] for n in names}
+        pipe.__dict__["scheduler"] = stepper  # not setattr: that would rewrite the pipeline's config
+        pipe.__dict__.update(self.networks)
+        handles = []
+        if recorder is not None:
+            for name, network in self.networks.items():
+                handles.append(network.register_forward_pre_hook(recorder.pre_hook(name), with_kwargs=True))
+                handles.append(network.register_forward_hook(recorder.post_hook(), with_kwargs=True))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            pipe.__dict__.update(saved)
+
+    def _probe(self, shape: MediaShape, num_steps: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """(σ grid, per-sample latent shape) of the pipeline at this shape: one call stopped at its first step."""
+        key = (shape, num_steps)
+        if key not in self._probed:
+            def stop(model_output, timestep, sample):
+                raise _Probed(sample)
+
+            stepper = _Stepper(self.pipe.scheduler, stop)
+            kwargs = self._call_kwargs(["a photo"], shape, num_steps, Guidance(), None, "latent")
+            try:
+                with self._running(stepper), torch.no_grad():
+                    self.pipe(**kwargs)
+            except _Probed as probed:
+                sample = probed.sample
+            else:
+                raise UserError(f"model=diffusers_pipeline: {self.name} never stepped its scheduler")
+            sigmas = torch.as_tensor(self.pipe.scheduler.sigmas).float().cpu()
+            ok = (len(sigmas) == num_steps + 1 and float(sigmas[0]) <= 1 and float(sigmas[-1]) == 0
+                  and bool((sigmas[1:] < sigmas[:-1]).all()))
+            if not ok:
+                raise UserError(f"model=diffusers_pipeline: {self.name}'s scheduler "
+                                f"({type(self.pipe.scheduler).__name__}) set the σ grid {sigmas.tolist()} for "
+                                f"{num_steps} steps; a flow-matching grid of num_steps + 1 values from ≤ 1 down to 0 "
+                                "is needed")
+            self._probed[key] = (sigmas, tuple(sample.shape[1:]))
+        return self._probed[key]
+
+    def latent_shapes(self, shape: MediaShape) -> dict[str, tuple[int, ...]]:
+        return {"latents": self._probe(shape, 2)[1]}
+
+    def sigmas(self, num_steps: int, shape: MediaShape) -> torch.Tensor:
+        return self._probe(shape, num_steps)[0].clone()
+
+    @torch.no_grad()
+    def run_pipeline(self, prompts: list[Prompt], initial: Latents, step, trained: torch.Tensor, plan,
+                     decode: bool) -> tuple[Media | None, list, float]:
+        """The pipeline's own call on `initial`, each scheduler step taken by `step(j, v)` (sampling/diffusion.py
+        `sample_pipeline`); returns (decoded media or None, each sample's records, decode seconds)."""
+        texts = text_only(prompts, self.family)
+        sigmas = self.sigmas(plan.num_steps, plan.shape)
+        recorder = _Recorder(self.name, initial["latents"], step, trained, sigmas, [float(plan.guidance.scale)])
+        stepper = _Stepper(self.pipe.scheduler, recorder.on_step)
+        kwargs = self._call_kwargs(texts, plan.shape, plan.num_steps, plan.guidance,
+                                   initial["latents"].to(self.dtype), "pt" if decode else "latent")
+        with self._running(stepper, recorder):
+            out = self.pipe(**kwargs)
+        decode_s = time.perf_counter() - recorder.last_step
+        if recorder.j != plan.num_steps:
+            raise UserError(f"model=diffusers_pipeline: {self.name} took {recorder.j} scheduler steps for "
+                            f"num_inference_steps={plan.num_steps}")
+        if not torch.equal(torch.as_tensor(self.pipe.scheduler.sigmas).float().cpu(), sigmas):
+            raise UserError(f"model=diffusers_pipeline: {self.name} set another σ grid for these prompts than for "
+                            "the probe (a prompt-dependent schedule)")
+        media = None
+        if decode:
+            result = out[0]
+            if not isinstance(result, torch.Tensor):
+                raise UserError(f"model=diffusers_pipeline: {self.name} returned {type(result).__name__} for "
+                                "output_type='pt'")
+            media = {"video" if result.dim() == 5 else "images": result.float().clamp(0, 1)}
+        return media, recorder.records, decode_s
+
+    # ------------------------------------------------------------------------------------------- replay
+    def velocity(self, latents: Latents, sigma: torch.Tensor, cond: Cond, shared: Cond, guidance: float) -> Latents:
+        """The recorded calls of each sample's step at `sigma`, replayed on the live networks and recombined."""
+        records = cond.get("replay")
+        if records is None:
+            raise UserError("model=diffusers_pipeline evaluates its denoiser only by replaying the calls its rollout "
+                            "recorded (Rollout.extras['replay']); this algorithm or stage asks for a velocity "
+                            "outside a rollout")
+        x = latents["latents"]
+        picks = []
+        for i, steps in enumerate(records):
+            s = float(sigma[i])
+            rec = next((r for r in steps if r["sigma"] == s), None)
+            if rec is None:
+                raise UserError(f"model=diffusers_pipeline: sample {i} recorded no denoiser call at σ={s:g} (recorded: "
+                                f"{[r['sigma'] for r in steps]}); only the rollout's trained steps can be re-scored")
+            picks.append(rec)
+        groups: dict[str, list[int]] = {}
+        for i, rec in enumerate(picks):
+            groups.setdefault(rec["key"], []).append(i)
+        parts, order = [], []
+        for idx in groups.values():
+            recs = [picks[i] for i in idx]
+            calls, form = recs[0]["spec"]
+            rows = torch.tensor(idx, device=x.device)
+            xg = x.index_select(0, rows)
+            branches = []
+            for name, args_spec, kwargs_spec in calls:
+                out = first_tensor(self.networks[name](*_build(args_spec, recs, xg, self.device),
+                                                       **_build(kwargs_spec, recs, xg, self.device)))
+                m = out.shape[0] // len(idx)
+                branches += list(out.reshape(m, len(idx), *out.shape[1:]).unbind(0))
+            parts.append(combine(form, branches, guidance).float())
+            order += idx
+        v = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if order != sorted(order):
+            v = v.index_select(0, torch.tensor(order, device=v.device).argsort())
+        return {"latents": v}
+
+    # ------------------------------------------------------------------------------------------- media
+    def decode(self, latents: Latents) -> Media:
+        raise UserError("model=diffusers_pipeline decodes inside the pipeline call (output_type='pt'); it has no "
+                        "separate decode")
+
+    def encode_media(self, media: Media) -> Latents:
+        raise UserError("model=diffusers_pipeline has no media encoder (offline pairs and forward-process losses "
+                        "need a dedicated model file)")

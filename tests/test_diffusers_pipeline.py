@@ -1,0 +1,225 @@
+"""model=diffusers_pipeline (models/diffusers_pipeline.py): the pipeline's own loop recorded, the denoiser replayed.
+
+For each pipeline: the velocity the pipeline handed its scheduler equals the replay's (the same weights), the
+rollout's log-probs equal the replay's (|ρ − 1| < 1e-5 in float32) with a LoRA that is not zero, and where a
+dedicated adapter exists (SD3, Wan) its trajectories and re-scored log-probs equal the generic path's for the same
+noise. A pipeline that rescales its guided velocity in no known form is refused with one error line.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from types import SimpleNamespace
+
+import diffusers
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from polyrl.actor.local import LocalActor
+from polyrl.algorithms.base import AlgorithmBase
+from polyrl.cli.main import main
+from polyrl.errors import UserError
+from polyrl.latents import MediaShape
+from polyrl.models import build_model
+from polyrl.models.base import Guidance
+from polyrl.models.diffusers_pipeline import cfg_renorm, combine, identify, recorded_bytes
+from polyrl.sampling import diffusion
+from polyrl.sampling.diffusion import RolloutNoise, SamplingPlan, draw_noise, rollout
+
+from conftest import SHAPE_PROMPTS
+
+CPU = torch.device("cpu")
+PROMPTS = SHAPE_PROMPTS[:2]
+
+
+def _generic(path, **options):
+    return build_model(OmegaConf.create({"name": "diffusers_pipeline", "path": str(path), "dtype": "float32",
+                                         "options": {"max_sequence_length": 16, **options}}), CPU)
+
+
+def _plan(shape, scale, steps=3, window=(2, (0, 1))):
+    return SamplingPlan(num_steps=steps, shape=shape, guidance=Guidance(scale), noise_level=0.7, window_size=window[0],
+                        window_range=window[1], batch_size=len(PROMPTS))
+
+
+def _actor(adapter, plan, targets):
+    cfg = SimpleNamespace(lora_rank=4, lora_alpha=4.0, lora_targets=targets, lr=1e-3, betas=(0.9, 0.999),
+                          weight_decay=0.0, eps=1e-8, grad_clip=1.0, num_minibatches=1, micro_batch_size=0,
+                          ema_decay=0.0)
+    algo = AlgorithmBase()
+    algo.teacher_path = None
+    torch.manual_seed(0)
+    actor = LocalActor(adapter, cfg, plan, algo)
+    gen = torch.Generator().manual_seed(1)  # a LoRA that changes the output (B is zero at init)
+    for name, p in sorted((n, p) for n, p in zip(actor.param_names, actor.params, strict=True)):
+        if "lora_B" in name:
+            p.data = torch.randn(p.shape, generator=gen) * 0.05
+    return actor
+
+
+def _rollout_capturing(adapter, plan, noise, monkeypatch):
+    """A rollout, and the velocity the pipeline handed its scheduler at each step: (B, ...) per step."""
+    seen = []
+    step = diffusion.Walk.step
+
+    def capture(self, j, v):
+        seen.append(v["latents"].clone())
+        return step(self, j, v)
+
+    monkeypatch.setattr(diffusion.Walk, "step", capture)
+    batch = rollout(adapter, PROMPTS, [{}] * len(PROMPTS), torch.arange(len(PROMPTS)), plan, noise)
+    monkeypatch.setattr(diffusion.Walk, "step", step)
+    return batch, seen
+
+
+def _check_replay(adapter, actor, batch, seen):
+    """Replayed velocity = the pipeline's at every trained step; rollout log-probs = the replay's."""
+    grid = adapter.sigmas(len(seen), actor.plan.shape)
+    starts = [int((grid == s).nonzero()) for s in batch.sigmas[:, 0]]  # each sample's window start
+    for k in range(batch.log_probs.shape[1]):
+        with torch.no_grad():
+            v = actor.velocity(batch, {"latents": batch.latents["latents"][:, k]}, batch.sigmas[:, k])["latents"]
+        expected = torch.stack([seen[int(s) + k][i] for i, s in enumerate(starts)])
+        assert (v - expected).norm() <= 1e-5 * expected.norm(), k
+        out = actor.step(batch, k)
+        ratio = (out.log_prob.detach() - batch.log_probs[:, k]).exp()
+        assert (ratio - 1).abs().max() < 1e-5, (k, ratio)
+
+
+# ------------------------------------------------------------------------------------------------ pure pieces
+def test_identify_finds_the_form_and_names_what_it_saw():
+    g = torch.Generator().manual_seed(0)
+    u, c = torch.randn(2, 3, 8, generator=g, dtype=torch.float64), torch.randn(2, 3, 8, generator=g, dtype=torch.float64)
+    # independent float64 references of each form
+    assert identify([c], c.clone(), [4.0])[0][0] == "identity"
+    assert identify([u, c], u + 4.0 * (c - u), [4.0])[0][:3] == ("cfg", (0, 1), 4.0)
+    assert identify([c, u], u + 4.0 * (c - u), [4.0])[0][:3] == ("cfg", (1, 0), 4.0)
+    g_ = u + 4.0 * (c - u)
+    renorm = g_ * c.norm(dim=-1, keepdim=True) / g_.norm(dim=-1, keepdim=True)
+    assert identify([u, c], renorm, [4.0])[0][:3] == ("cfg_renorm", (0, 1), 4.0)
+    assert torch.allclose(cfg_renorm(u, c, 4.0), renorm)
+    form, seen = identify([u, c], 0.7 * (u + 4.0 * (c - u)), [4.0])
+    assert form is None and "closest known form" in seen
+    assert identify([u, c, c], c, [4.0]) == (None, "3 output branches of B rows (known forms take 1 or 2)")
+    # guidance 1 on a CFG form: the conditional branch (the actor's guidance-free velocity)
+    assert torch.equal(combine(("cfg", (0, 1), 4.0, 1.0), [u, c], guidance=1.0), c)
+
+
+# ------------------------------------------------------------------------------------------------ SD3
+@pytest.mark.parametrize("scale", [1.0, 4.5])
+def test_sd3_generic_equals_the_dedicated_adapter_and_replays_exactly(tiny_sd3_dir, scale, monkeypatch):
+    shape = MediaShape(32, 32)
+    plan = _plan(shape, scale)
+    gen = _generic(tiny_sd3_dir)
+    ded = build_model(OmegaConf.create({"name": "sd3", "path": str(tiny_sd3_dir), "dtype": "float32",
+                                        "max_sequence_length": 16}), CPU)
+    assert gen.latent_shapes(shape)["latents"] == ded.latent_shapes(shape)["x"]
+    assert torch.equal(gen.sigmas(3, shape), ded.sigmas(3, shape))
+    targets = gen.default_lora_targets
+    assert {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out"} <= set(targets)
+    gen_actor, ded_actor = _actor(gen, plan, targets), _actor(ded, plan, targets)
+    noise = draw_noise(gen.latent_shapes(shape), plan, torch.arange(2), torch.Generator().manual_seed(3))
+    batch, seen = _rollout_capturing(gen, plan, noise, monkeypatch)
+    forms = {rec["spec"][1][0] for steps in batch.extras["replay"] for rec in steps}
+    assert forms == ({"identity"} if scale == 1.0 else {"cfg"})
+    _check_replay(gen, gen_actor, batch, seen)
+    # the dedicated adapter, same noise and the same LoRA: same trajectories, same re-scored log-probs
+    renamed = RolloutNoise({"x": noise.initial["latents"]}, noise.starts, {"x": noise.steps["latents"]})
+    ref = rollout(ded, PROMPTS, [{}] * 2, torch.arange(2), plan, renamed)
+    assert (batch.latents["latents"] - ref.latents["x"]).abs().max() < 1e-5
+    assert (batch.old_means["latents"] - ref.old_means["x"]).abs().max() < 1e-5
+    assert (batch.media["images"] - ref.media["images"]).abs().max() < 1e-4
+    for k in range(2):
+        a, b = gen_actor.step(batch, k).log_prob, ded_actor.step(ref, k).log_prob
+        assert (a - b).abs().max() < 1e-5 * b.abs().max()
+    # memory: the latents are not stored (taken from the batch), the prompt's embeddings once per sample
+    per_sample = recorded_bytes(batch.extras["replay"][:1])
+    embeds = 16 + 16  # CLIP + T5 tokens (max_sequence_length 16) of joint width 64, float32, per CFG row
+    rows = 1 if scale == 1.0 else 2
+    assert per_sample < rows * (embeds * 64 + 64 + 8) * 4 + 64
+
+
+# ------------------------------------------------------------------------------------------------ Wan
+def test_wan_generic_equals_the_dedicated_adapter_and_replays_exactly(tiny_wan_dir, monkeypatch):
+    shape = MediaShape(16, 16, 5)
+    plan = _plan(shape, 3.0)
+    gen = _generic(tiny_wan_dir)
+    ded = build_model(OmegaConf.create({"name": "wan", "path": str(tiny_wan_dir), "dtype": "float32",
+                                        "max_sequence_length": 16, "shift": None}), CPU)
+    # UniPC's grid is replaced by the shifted linear one, as the dedicated adapter does
+    assert torch.equal(gen.sigmas(3, shape), ded.sigmas(3, shape))
+    targets = gen.default_lora_targets
+    gen_actor, ded_actor = _actor(gen, plan, targets), _actor(ded, plan, targets)
+    noise = draw_noise(gen.latent_shapes(shape), plan, torch.arange(2), torch.Generator().manual_seed(3))
+    batch, seen = _rollout_capturing(gen, plan, noise, monkeypatch)
+    assert {rec["spec"][1][:2] for steps in batch.extras["replay"] for rec in steps} == {("cfg", (1, 0))}  # two calls
+    _check_replay(gen, gen_actor, batch, seen)
+    renamed = RolloutNoise({"x": noise.initial["latents"]}, noise.starts, {"x": noise.steps["latents"]})
+    ref = rollout(ded, PROMPTS, [{}] * 2, torch.arange(2), plan, renamed)
+    assert (batch.latents["latents"] - ref.latents["x"]).abs().max() < 1e-5
+    assert batch.media["video"].shape == ref.media["video"].shape == (2, 5, 3, 16, 16)
+    for k in range(2):
+        a, b = gen_actor.step(batch, k).log_prob, ded_actor.step(ref, k).log_prob
+        assert (a - b).abs().max() < 1e-5 * b.abs().max()
+
+
+# ------------------------------------------------------------------------------------------------ refusal
+class RescaledSD3Pipeline(diffusers.StableDiffusion3Pipeline):
+    """SD3 whose guided velocity is rescaled before the scheduler step (0.7·v + 0.3·std(v)): no known form."""
+
+    def __call__(self, *args, **kwargs):
+        inner = self.scheduler
+
+        class Rescale:
+            def __getattr__(self, name):
+                return getattr(inner, name)
+
+            def step(self, v, t, x, **kw):
+                return inner.step(0.7 * v + 0.3 * v.std(), t, x, **kw)
+
+        self.__dict__["scheduler"] = Rescale()
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            self.__dict__["scheduler"] = inner
+
+    __call__.__signature__ = inspect.signature(diffusers.StableDiffusion3Pipeline.__call__)
+
+
+def test_an_unknown_guidance_rescale_is_refused(tiny_sd3_dir, monkeypatch):
+    monkeypatch.setattr(diffusers, "RescaledSD3Pipeline", RescaledSD3Pipeline, raising=False)
+    shape = MediaShape(32, 32)
+    plan = _plan(shape, 4.5)
+    gen = _generic(tiny_sd3_dir, pipeline="RescaledSD3Pipeline")
+    noise = draw_noise(gen.latent_shapes(shape), plan, torch.arange(2), torch.Generator().manual_seed(3))
+    with pytest.raises(UserError, match=r"RescaledSD3Pipeline combines its denoiser outputs in no known form at "
+                                        r"step 0: 1 call\(s\) of \[4\] rows, 2 output branch\(es\); the closest"):
+        rollout(gen, PROMPTS, [{}] * 2, torch.arange(2), plan, noise)
+
+
+def test_a_velocity_outside_the_recorded_steps_is_refused(tiny_sd3_dir):
+    gen = _generic(tiny_sd3_dir)
+    x = {"latents": torch.zeros(1, 4, 16, 16)}
+    with pytest.raises(UserError, match="only by replaying the calls its rollout recorded"):
+        gen.velocity(x, torch.ones(1), {}, {}, 1.0)
+    with pytest.raises(UserError, match=r"sample 0 recorded no denoiser call at σ=0.5"):
+        gen.velocity(x, torch.full((1,), 0.5), {"replay": [[]]}, {}, 1.0)
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+def test_two_steps_through_the_cli(tiny_sd3_dir, shape_prompts_file, tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "model=diffusers_pipeline", f"model.path={tiny_sd3_dir}", "model.options.max_sequence_length=16",
+            f"data.path={shape_prompts_file}", f"data.heldout_path={shape_prompts_file}", f"trainer.output_dir={out}",
+            "trainer.max_steps=2", "rollout.height=32", "rollout.width=32", "rollout.num_steps=3", "rollout.n=2",
+            "data.prompts_per_step=2", "rollout.batch_size=4", "rollout.guidance_scale=2.0", "trainer.eval_samples=2",
+            "trainer.num_validation=2", "trainer.progress=false", "trainer.tensorboard=false",
+            "reward=jpeg_compressibility", "rollout.sde_window_size=2", "rollout.sde_window_range=[0,1]",
+            "trainer.eval_every=2", "trainer.save_every=0"]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[1]["grad_norm"] > 0 and "reward/mean" in rows[2]
+    assert (out / "samples" / "step_000000.png").is_file() and (out / "samples" / "step_000002.png").is_file()
