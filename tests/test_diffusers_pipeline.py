@@ -88,6 +88,18 @@ def _check_replay(adapter, actor, batch, seen):
         assert (ratio - 1).abs().max() < 1e-5, (k, ratio)
 
 
+def _check_live(actor, batch):
+    """The replay runs the live weights: its gradient reaches the LoRA and its log-prob moves with the weights."""
+    actor.optimizer.zero_grad()
+    actor.step(batch, 0).log_prob.sum().backward()
+    assert sum(float(p.grad.abs().sum()) for p in actor.params if p.grad is not None) > 0
+    with torch.no_grad():
+        for p in actor.params:
+            p.add_(0.05 * torch.ones_like(p))
+        moved = actor.step(batch, 0).log_prob
+    assert (moved - batch.log_probs[:, 0]).abs().max() > 1e-6  # the exact replay agrees to ~1e-7
+
+
 # ------------------------------------------------------------------------------------------------ pure pieces
 def test_identify_finds_the_form_and_names_what_it_saw():
     g = torch.Generator().manual_seed(0)
@@ -134,6 +146,7 @@ def test_sd3_generic_equals_the_dedicated_adapter_and_replays_exactly(tiny_sd3_d
     for k in range(2):
         a, b = gen_actor.step(batch, k).log_prob, ded_actor.step(ref, k).log_prob
         assert (a - b).abs().max() < 1e-5 * b.abs().max()
+    _check_live(gen_actor, batch)
     # memory: the latents are not stored (taken from the batch), the prompt's embeddings once per sample
     per_sample = recorded_bytes(batch.extras["replay"][:1])
     embeds = 16 + 16  # CLIP + T5 tokens (max_sequence_length 16) of joint width 64, float32, per CFG row
@@ -223,3 +236,96 @@ def test_two_steps_through_the_cli(tiny_sd3_dir, shape_prompts_file, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[1]["grad_norm"] > 0 and "reward/mean" in rows[2]
     assert (out / "samples" / "step_000000.png").is_file() and (out / "samples" / "step_000002.png").is_file()
+
+
+# ------------------------------------------------------------------------------------------------ other families
+def _tiny_chroma(path, words):
+    """ChromaPipeline: FLUX-like packed latents, a T5 encoder only, CFG by two calls (cond first)."""
+    from diffusers import AutoencoderKL, ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+    from transformers import T5Config, T5EncoderModel
+
+    from polyrl.models.tiny import FLUX_DEV_SCHEDULER, word_tokenizer
+
+    torch.manual_seed(0)
+    tok = word_tokenizer(words, 16, add_bos=False)
+    t5 = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                 decoder_start_token_id=tok.pad_token_id)).eval()
+    transformer = ChromaTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, axes_dims_rope=(4, 6, 6), approximator_num_channels=16, approximator_hidden_dim=32,
+        approximator_layers=1)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), layers_per_block=1,
+                        latent_channels=4, norm_num_groups=8, scaling_factor=0.36, shift_factor=0.12,
+                        use_quant_conv=False, use_post_quant_conv=False)
+    ChromaPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_DEV_SCHEDULER), vae=vae, text_encoder=t5,
+                   tokenizer=tok, transformer=transformer).save_pretrained(str(path))
+
+
+def _tiny_sana(path, words):
+    """SanaPipeline as published: DPM-Solver++ on flow sigmas (replaced by the linear grid), Gemma2, DC-AE; CFG in
+    one batched call (uncond first), computed in float32."""
+    from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    from polyrl.models.tiny import word_tokenizer
+
+    torch.manual_seed(0)
+    tok = word_tokenizer(words, 512, add_bos=True)
+    text = Gemma2Model(Gemma2Config(
+        head_dim=16, hidden_size=8, intermediate_size=64, max_position_embeddings=1024, num_attention_heads=2,
+        num_hidden_layers=1, num_key_value_heads=2, vocab_size=len(tok), attn_implementation="eager",
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).eval()
+    transformer = SanaTransformer2DModel(
+        patch_size=1, in_channels=4, out_channels=4, num_layers=1, num_attention_heads=2, attention_head_dim=4,
+        num_cross_attention_heads=2, cross_attention_head_dim=4, cross_attention_dim=8, caption_channels=8,
+        sample_size=32)
+    vae = AutoencoderDC(
+        in_channels=3, latent_channels=4, attention_head_dim=2, encoder_block_types=("ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "EfficientViTBlock"), encoder_block_out_channels=(8, 8),
+        decoder_block_out_channels=(8, 8), encoder_qkv_multiscales=((), (5,)), decoder_qkv_multiscales=((), (5,)),
+        encoder_layers_per_block=(1, 1), decoder_layers_per_block=[1, 1], downsample_block_type="conv",
+        upsample_block_type="interpolate", decoder_norm_types="rms_norm", decoder_act_fns="silu",
+        scaling_factor=0.41407)
+    scheduler = DPMSolverMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+                                            algorithm_type="dpmsolver++", solver_order=2)
+    SanaPipeline(tokenizer=tok, text_encoder=text, vae=vae, transformer=transformer,
+                 scheduler=scheduler).save_pretrained(str(path))
+
+
+def _tiny_qwen_image(path, words):
+    from polyrl.models.tiny import TinyQwenImageSpec, save_tiny_qwen_image
+
+    save_tiny_qwen_image(TinyQwenImageSpec(words=words, image_size=32), path)
+
+
+def _tiny_flux(path, words):
+    from polyrl.models.tiny import TinyFluxSpec, save_tiny_flux
+
+    save_tiny_flux(TinyFluxSpec(words=words), path)
+
+
+# family: (builder, guidance scale, the form the rollout must identify)
+FAMILIES = {
+    "qwen_image": (_tiny_qwen_image, 4.0, ("cfg_renorm", (1, 0))),  # true CFG with norm rescale, two calls
+    "flux": (_tiny_flux, 1.0, ("identity", (0,))),  # guidance embedding, packed latents
+    "chroma": (_tiny_chroma, 3.0, ("cfg", (1, 0))),
+    "sana": (_tiny_sana, 4.0, ("cfg", (0, 1))),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_other_pipelines_replay_exactly(family, tmp_path, monkeypatch):
+    build, scale, form = FAMILIES[family]
+    build(tmp_path / family, sorted({w for p in PROMPTS for w in p.split()}))
+    shape = MediaShape(32, 32)
+    plan = _plan(shape, scale)
+    gen = _generic(tmp_path / family)
+    actor = _actor(gen, plan, None)
+    noise = draw_noise(gen.latent_shapes(shape), plan, torch.arange(2), torch.Generator().manual_seed(3))
+    batch, seen = _rollout_capturing(gen, plan, noise, monkeypatch)
+    assert {rec["spec"][1][:2] for steps in batch.extras["replay"] for rec in steps} == {form}
+    assert batch.media["images"].shape == (2, 3, 32, 32)
+    _check_replay(gen, actor, batch, seen)
+    _check_live(actor, batch)

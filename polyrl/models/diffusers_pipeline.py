@@ -408,6 +408,10 @@ class PipelinePolicy:
             kw["negative_prompt"] = [guidance.negative_prompt] * len(texts)
         if self.opts["max_sequence_length"] is not None and "max_sequence_length" in self.params:
             kw["max_sequence_length"] = int(self.opts["max_sequence_length"])
+        if "use_resolution_binning" in self.params:  # sample at rollout.height/width, not the nearest trained bin
+            kw["use_resolution_binning"] = False
+        if "use_kv_cache" in self.params:  # a cache filled at step 0 would replay stale keys at the later steps
+            kw["use_kv_cache"] = False
         if "generator" in self.params:  # draws the pipeline makes besides the initial noise (none for text-to-X)
             kw["generator"] = torch.Generator(self.device).manual_seed(0)
         return kw
