@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import diffusers
 import pytest
 import torch
+from conftest import SHAPE_PROMPTS
 from omegaconf import OmegaConf
 
 from polyrl.actor.local import LocalActor
@@ -27,8 +28,6 @@ from polyrl.models.base import Guidance
 from polyrl.models.diffusers_pipeline import cfg_renorm, combine, identify, recorded_bytes
 from polyrl.sampling import diffusion
 from polyrl.sampling.diffusion import RolloutNoise, SamplingPlan, draw_noise, rollout
-
-from conftest import SHAPE_PROMPTS
 
 CPU = torch.device("cpu")
 PROMPTS = SHAPE_PROMPTS[:2]

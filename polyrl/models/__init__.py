@@ -1,9 +1,9 @@
 # importing a family's file registers its models (flux: + flux_kontext; qwen_image_edit: + qwen_image_edit_plus)
-# causal_lm: the token policy of any transformers causal LM (docs/tokens.md); diffusers_pipeline: any diffusers
-# flow-matching pipeline, run as it is (record and replay)
-from . import ace_step, causal_lm, diffusers_pipeline, flux, flux2, ltx2, qwen_image, qwen_image_edit, sd3, stable_audio, stable_audio3, wan  # noqa: F401
+# causal_lm: the token policy of any transformers causal LM (docs/tokens.md)
+from . import ace_step, causal_lm, flux, flux2, ltx2, qwen_image, qwen_image_edit, sd3, stable_audio, stable_audio3, wan  # noqa: F401
 from .bagel import BagelPolicy  # noqa: F401  (model=bagel: BAGEL-7B-MoT text-to-image)
 from .base import MODELS, Cond, DiffusionPolicy, Guidance, Prompt, build_model, register_model
+from .diffusers_pipeline import PipelinePolicy  # noqa: F401  (model=diffusers_pipeline: any diffusers flow-matching pipeline)
 from .hunyuan_image import HunyuanImagePolicy  # noqa: F401
 from .janus_pro import JanusProPolicy  # noqa: F401  (model=janus_pro: image tokens as a token policy)
 from .minimax_h3 import MiniMaxH3Policy  # noqa: F401  (model=minimax_h3: joint video + audio, t2va / fl2va / ref2va)
