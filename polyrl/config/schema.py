@@ -120,6 +120,8 @@ class TrainerConfig:
     deterministic: bool = False
     device: str = "auto"
     save_every: int = 10
+    keep_checkpoints: int | None = None  # keep the newest N complete checkpoints (None: all); older ones deleted
+    keep_best: bool = False  # also keep the checkpoint with the best held-out reward (eval/reward_mean)
     eval_every: int = 10
     eval_samples: int = 64
     eval_seed: int = 1234
@@ -408,4 +410,12 @@ def validate(raw: DictConfig) -> DictConfig:
         raise ConfigError("trainer.resume must be null, auto, or a checkpoint directory")
     if cfg.trainer.max_steps < 0:
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 0")
+    t = cfg.trainer
+    if t.keep_checkpoints is not None and t.keep_checkpoints < 1:
+        raise ConfigError(f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1, or null to keep every "
+                          "checkpoint")
+    if t.keep_best and (t.eval_every <= 0 or t.save_every <= 0 or t.save_every % t.eval_every):
+        raise ConfigError(f"trainer.keep_best=true keeps the checkpoint with the best held-out reward, so every "
+                          f"checkpoint needs one: trainer.eval_every={t.eval_every} must be > 0 and divide "
+                          f"trainer.save_every={t.save_every}")
     return cfg

@@ -18,12 +18,22 @@ and removes. Loading executes nothing: `trainer_state.pt` is read with `torch.lo
 numbers, strings and plain containers only; the numpy RNG state is stored as a list), weights are safetensors. A
 checkpoint whose files are truncated, overwritten (checksum), unreadable or hold non-finite weights raises
 `CheckpointError` naming the file; `load_newest` then falls back to the previous checkpoint and says so.
+
+A full disk (ENOSPC / EDQUOT, or torch.save's `unexpected pos` RuntimeError, or safetensors' `No space left on
+device`: `is_disk_full`) during a write raises `DiskFull`, one line naming the path, about how much the write needs,
+how much is free and the last complete checkpoint. Rotation (`rotate_checkpoints`, trainer.keep_checkpoints /
+trainer.keep_best) deletes old checkpoints only after a new one is complete and renamed: each is first renamed to
+`step_N.del` (a kill mid-delete leaves a `.del`, never a half-deleted `step_N` that looks complete), then removed.
+Before the first save the trainer compares `estimate_checkpoint_bytes` × the checkpoints the run will hold at once
+with the free space of the run directory (`space_warning`).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -39,11 +49,135 @@ from ..errors import UserError
 STATE_FILE = "trainer_state.pt"
 CHECKSUM_FILE = "checksums.json"
 STEP_DIR = re.compile(r"step_(\d+)")
-STALE_DIR = re.compile(r"step_(\d+)\.(tmp|old)")  # a write in progress, or a checkpoint being replaced
+# a write in progress, a checkpoint being replaced, or one being deleted by rotation
+STALE_DIR = re.compile(r"step_(\d+)\.(tmp|old|del)")
 
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be used (missing, truncated, corrupted, unsafe, or not of this model)."""
+
+
+# ----------------------------------------------------------------------------------------------- disk space
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# how the libraries that do not raise OSError say it: safetensors ("No space left on device (os error 28)"),
+# torch.save's zip writer (a short write shows up as "unexpected pos N vs M", or "failed writing file")
+_DISK_FULL_TEXT = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
+_TORCH_SHORT_WRITE = ("unexpected pos", "failed writing file")
+
+
+def is_disk_full(error: BaseException | None) -> bool:
+    """Whether `error`, or an exception it was raised from, is a full disk or an exhausted quota."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+            return True
+        text = str(error).lower()
+        if any(t in text for t in _DISK_FULL_TEXT):
+            return True
+        if isinstance(error, RuntimeError) and any(t in text for t in _TORCH_SHORT_WRITE):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def free_bytes(path: Path) -> int:
+    """Free space (bytes an unprivileged writer may use) of the file system that holds `path`, or would hold it:
+    the nearest existing ancestor is asked."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+class DiskFull(UserError):
+    """A write that failed because the disk (or the quota) is full: one line naming what was written where, about
+    how many bytes it needs, how many are free, and the last complete checkpoint (`resume`, when given, is the
+    command that continues the run once space is freed)."""
+
+    def __init__(self, path: Path, needed: int | None, last: Path | None, what: str = "checkpoint",
+                 free: int | None = None, resume: str | None = None):
+        self.path, self.needed, self.last, self.what, self.resume = Path(path), needed, last, what, resume
+        self.free = free_bytes(path) if free is None else free
+        need = f"needs about {human_bytes(needed)}, " if needed else ""
+        last_note = f"the last complete checkpoint is {last}" if last else "no checkpoint has been written yet"
+        then = f"; free space, then resume with: {resume}" if resume else "; free space and run again"
+        super().__init__(f"disk full: could not write the {what} {path} ({need}{human_bytes(self.free)} free); "
+                         f"{last_note}{then}")
+
+    def with_resume(self, command: str) -> DiskFull:
+        """The same error, saying the command that continues the run."""
+        out = DiskFull(self.path, self.needed, self.last, self.what, self.free, command)
+        out.__cause__ = self.__cause__
+        return out
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor in a (nested) container."""
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def estimate_checkpoint_bytes(actor) -> int:
+    """About the bytes of one checkpoint of `actor`, before any is written: its trainable weights, the EMA / old
+    copy when it keeps one, and AdamW's two float32 moments per trainable element (actor/local.py builds AdamW;
+    before its first step the optimizer holds no state yet, so the moments are counted from the parameters), plus
+    32 KiB for the RNG states, the sampler and the small files (about 16 KiB measured). An upper estimate where
+    the weights are saved in a narrower dtype."""
+    params = list(actor.params)
+    weights = tensor_bytes(params)
+    old = tensor_bytes(list(getattr(actor, "old_params", None) or []))
+    moments = sum(2 * 4 * p.numel() for p in params)
+    return weights + old + moments + 32 * 1024
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    """Bytes of the files of a checkpoint directory."""
+    return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
+
+
+def checkpoints_to_write(step: int, max_steps: int, save_every: int) -> int:
+    """How many checkpoints a run at `step` writes before `max_steps`: every `save_every` steps, and the last."""
+    if save_every <= 0 or step >= max_steps:
+        return 0
+    regular = max_steps // save_every - step // save_every
+    return regular + (max_steps % save_every != 0)
+
+
+def checkpoints_held(to_write: int, keep: int | None, keep_best: bool = False) -> int:
+    """How many of the run's new checkpoints are on disk at once: all of them without rotation, else the newest
+    `keep`, the one being written, and the best one (`keep_best`) when it is not among the newest."""
+    if keep is None:
+        return to_write
+    return min(to_write, keep + 1 + int(keep_best))
+
+
+def space_warning(run_dir: Path, per_checkpoint: int, held: int, free: int | None = None) -> str | None:
+    """A warning when the free space where `run_dir` lives cannot hold `held` checkpoints of `per_checkpoint`
+    bytes (free: measured by `free_bytes` unless given), else None."""
+    if held <= 0:
+        return None
+    free = free_bytes(run_dir) if free is None else free
+    need = per_checkpoint * held
+    if free >= need:
+        return None
+    return (f"polyrl: warning: {run_dir} has {human_bytes(free)} free, but the run will hold {held} checkpoint(s) of "
+            f"about {human_bytes(per_checkpoint)} each ({human_bytes(need)}): free space, lower "
+            "trainer.keep_checkpoints, or point trainer.output_dir at a larger disk")
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -85,6 +219,9 @@ def clean_stale(run_dir: Path) -> list[str]:
         if match.group(2) == "old" and not target.exists():
             path.rename(target)
             actions.append(f"restored {target} from {path.name}")
+        elif match.group(2) == "del":
+            shutil.rmtree(path, ignore_errors=True)
+            actions.append(f"removed {path} (a rotated-out checkpoint whose deletion was interrupted)")
         else:
             shutil.rmtree(path, ignore_errors=True)
             actions.append(f"removed the incomplete {path}")
@@ -120,10 +257,14 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(directory: Path, actor, sampler, step: int, extra: dict | None = None, engine=None) -> None:
-    """Write the checkpoint of `step` to `directory` atomically (see the module docstring); an OSError (e.g. a full
-    disk) removes the partial copy and raises CheckpointError naming the directory. With a sharding `engine`
-    every rank calls it (each writes its shards; rank 0 the rest, then renames)."""
+def save_checkpoint(directory: Path, actor, sampler, step: int, extra: dict | None = None, engine=None,
+                    keep: int | None = None, scores: dict[int, float] | None = None,
+                    say: Callable[[str], None] | None = None) -> list[Path]:
+    """Write the checkpoint of `step` to `directory` atomically (see the module docstring), then, once it is
+    complete and renamed, rotate the run's checkpoints (`rotate_checkpoints` with `keep`, `scores`; returns the
+    deleted ones). A failure removes the partial copy and deletes nothing; a full disk (`is_disk_full`) then
+    raises DiskFull, another OSError CheckpointError, both naming the directory. With a sharding `engine` every
+    rank calls it (each writes its shards; rank 0 the rest, then renames and rotates)."""
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     old = directory.with_name(directory.name + ".old")
@@ -132,7 +273,7 @@ def save_checkpoint(directory: Path, actor, sampler, step: int, extra: dict | No
         engine.barrier()  # rank 0 has cleared tmp
         actor.save_weights(tmp)
         engine.barrier()  # every shard is written
-        return
+        return []
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         if sharded:
@@ -152,9 +293,66 @@ def save_checkpoint(directory: Path, actor, sampler, step: int, extra: dict | No
         tmp.rename(directory)
         _fsync(directory.parent)
         shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:
+    except Exception as e:  # OSError; safetensors' SafetensorError and torch.save's RuntimeError on a short write
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {directory}: {e}") from e
+        if is_disk_full(e):
+            raise disk_full_error(directory, actor) from e
+        if isinstance(e, OSError):
+            raise CheckpointError(f"could not write checkpoint {directory}: {e}") from e
+        raise
+    return rotate_checkpoints(directory.parent.parent, step, keep, scores, say)
+
+
+def disk_full_error(directory: Path, actor) -> DiskFull:
+    """DiskFull for a checkpoint write to `directory`: the bytes needed are the newest complete checkpoint's size
+    (else `estimate_checkpoint_bytes`), the last complete checkpoint is the run's newest."""
+    last = latest_checkpoint(Path(directory).parent.parent)
+    needed = checkpoint_bytes(last) if last is not None else estimate_checkpoint_bytes(actor)
+    return DiskFull(directory, needed, last)
+
+
+# ----------------------------------------------------------------------------------------------- rotation
+def checkpoints_to_delete(steps: list[int], current: int, keep: int | None,
+                          scores: dict[int, float] | None = None) -> list[int]:
+    """The steps whose checkpoints rotation deletes once step `current`'s is written: of the checkpoints at or
+    before `current`, all but the newest `keep` (`current` always among them) and, with `scores` (held-out reward
+    by step), the best-scored one (ties: the earliest). None keeps all. Checkpoints after `current` (left by a run
+    that resumed from an older one after a newer one failed to load) are not touched: training overwrites them."""
+    if keep is None:
+        return []
+    if keep < 1:
+        raise ValueError(f"keep={keep} must be >= 1 (or None: keep all)")
+    older = sorted((s for s in set(steps) if s <= current), reverse=True)
+    kept = {current, *older[:keep]}
+    scored = [s for s in older if scores and s in scores and math.isfinite(scores[s])]
+    if scored:
+        kept.add(max(scored, key=lambda s: (scores[s], -s)))
+    return sorted(s for s in older if s not in kept)
+
+
+def rotate_checkpoints(run_dir: Path, current: int, keep: int | None, scores: dict[int, float] | None = None,
+                       say: Callable[[str], None] | None = None) -> list[Path]:
+    """Delete what `checkpoints_to_delete` picks among the run's complete checkpoints; call it only after step
+    `current`'s checkpoint is complete and renamed. Each is renamed to `step_N.del` first, then removed (a kill
+    in between leaves a `.del` that `clean_stale` removes). A deletion that fails is reported through `say`
+    and skipped. Returns the deleted directories."""
+    if keep is None:
+        return []
+    by_step = {checkpoint_step(p): p for p in list_checkpoints(run_dir)}
+    deleted = []
+    for step in checkpoints_to_delete(list(by_step), current, keep, scores):
+        path = by_step[step]
+        doomed = path.with_name(path.name + ".del")
+        try:
+            shutil.rmtree(doomed, ignore_errors=True)
+            path.rename(doomed)
+            shutil.rmtree(doomed)
+        except OSError as e:
+            if say is not None:
+                say(f"polyrl: warning: could not delete the old checkpoint {path} ({e})")
+            continue
+        deleted.append(path)
+    return deleted
 
 
 # ----------------------------------------------------------------------------------------------- read

@@ -1,0 +1,220 @@
+"""Checkpoints and disk space: a full disk is DiskFull (one line: path, bytes needed, free, last checkpoint), whatever
+library hit it; rotation keeps the newest N (and the best) and deletes nothing when the new write fails; the
+checkpoint-size estimate and the free-space warning."""
+
+from __future__ import annotations
+
+import errno
+import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from polyrl.data.prompts import PromptSampler
+from polyrl.trainer import checkpoint as ck
+
+
+class _Actor:
+    """What save_checkpoint needs of an actor; `fail` raises that exception after the adapter file is written."""
+
+    def __init__(self, n: int = 4, fail: BaseException | None = None, old: bool = False):
+        self.w = torch.nn.Parameter(torch.arange(float(n)))
+        self.params = [self.w]
+        self.old_params = [self.w.detach().clone()] if old else None
+        self.optimizer = torch.optim.AdamW(self.params, lr=0.1)
+        self.w.grad = torch.ones(n)
+        self.optimizer.step()
+        self.fail = fail
+
+    def save_weights(self, directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({"transformer.w": self.w.detach().clone()}, str(directory / "adapter_model.safetensors"))
+        if self.old_params is not None:
+            save_file({"transformer.w": self.old_params[0]}, str(directory / "old_weights.safetensors"))
+        if self.fail is not None:
+            raise self.fail
+        (directory / "weights.json").write_text("{}")
+
+
+def _sampler():
+    return PromptSampler([{"prompt": "a"}], 0)
+
+
+def _names(run):
+    return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+# ------------------------------------------------------------------------------------------- a full disk
+@pytest.mark.parametrize("error", [
+    OSError(errno.ENOSPC, "No space left on device"),
+    OSError(errno.EDQUOT, "Disk quota exceeded"),
+    RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"),  # safetensors' text
+])
+def test_a_full_disk_is_disk_full_naming_path_size_and_last_checkpoint(tmp_path, error):
+    first = ck.checkpoint_dir(tmp_path, 5)
+    ck.save_checkpoint(first, _Actor(), _sampler(), 5)
+    before = {p.name: p.read_bytes() for p in first.iterdir()}
+    target = ck.checkpoint_dir(tmp_path, 6)
+    with pytest.raises(ck.DiskFull) as info:
+        ck.save_checkpoint(target, _Actor(fail=error), _sampler(), 6, keep=1)
+    e = info.value
+    assert e.path == target and e.last == first and e.needed == ck.checkpoint_bytes(first)
+    assert str(e) == (f"disk full: could not write the checkpoint {target} (needs about "
+                      f"{ck.human_bytes(ck.checkpoint_bytes(first))}, {ck.human_bytes(e.free)} free); the last "
+                      f"complete checkpoint is {first}; free space and run again")
+    assert "\n" not in str(e) and isinstance(e, ck.UserError) and e.__cause__ is error
+    assert str(e.with_resume("polyrl train x=1")).endswith("; free space, then resume with: polyrl train x=1")
+    # the previous checkpoint is untouched (not rotated away either: keep=1 applies only after a complete write)
+    assert _names(tmp_path) == ["step_000005"]
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == before
+    ck.read_checkpoint(first)
+
+
+def test_torch_saves_short_write_is_a_full_disk_too(tmp_path, monkeypatch):
+    def short_write(obj, path):  # what torch.save's zip writer raises when the disk fills under it
+        open(path, "wb").write(b"PK")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(ck.torch, "save", short_write)
+    target = ck.checkpoint_dir(tmp_path, 1)
+    with pytest.raises(ck.DiskFull, match=re.escape(f"could not write the checkpoint {target} (needs about ")
+                       + r".*no checkpoint has been written yet") as info:
+        ck.save_checkpoint(target, _Actor(), _sampler(), 1)
+    assert info.value.needed == ck.estimate_checkpoint_bytes(_Actor())  # nothing on disk yet: the estimate
+    assert _names(tmp_path) == []
+
+
+def test_other_failures_keep_their_type_and_leave_no_temp_directory(tmp_path):
+    target = ck.checkpoint_dir(tmp_path, 1)
+    with pytest.raises(ValueError, match="a bug"):
+        ck.save_checkpoint(target, _Actor(fail=ValueError("a bug")), _sampler(), 1)
+    with pytest.raises(ck.CheckpointError, match=re.escape(f"could not write checkpoint {target}: ")
+                       + ".*Permission denied") as info:
+        ck.save_checkpoint(target, _Actor(fail=PermissionError(errno.EACCES, "Permission denied")), _sampler(), 1)
+    assert not isinstance(info.value, ck.DiskFull)
+    assert _names(tmp_path) == []
+
+
+def test_is_disk_full_reads_causes_and_not_unrelated_errors():
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as inner:
+            raise ValueError("while writing metrics") from inner
+    except ValueError as e:
+        assert ck.is_disk_full(e)
+    assert ck.is_disk_full(RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"))
+    assert not ck.is_disk_full(RuntimeError("shape mismatch: unexpected size 3"))
+    assert not ck.is_disk_full(ValueError("unexpected pos"))  # torch's text counts only on a RuntimeError
+    assert not ck.is_disk_full(OSError(errno.EACCES, "Permission denied"))
+
+
+# ------------------------------------------------------------------------------------------- rotation
+def test_checkpoints_to_delete():
+    steps = [2, 4, 6, 8, 10]
+    assert ck.checkpoints_to_delete(steps, 10, None) == []
+    assert ck.checkpoints_to_delete(steps, 10, 2) == [2, 4, 6]
+    assert ck.checkpoints_to_delete(steps, 10, 1, {2: 0.1, 4: 0.9, 6: 0.9, 8: 0.3, 10: 0.2}) == [2, 6, 8]  # ties: earliest
+    assert ck.checkpoints_to_delete(steps, 10, 2, {10: 0.9, 4: float("nan")}) == [2, 4, 6]  # best is among the newest
+    # resumed at step 4 after the newer ones failed to load: those are left alone, step 4 is kept
+    assert ck.checkpoints_to_delete(steps, 4, 1) == [2]
+    with pytest.raises(ValueError, match="keep=0 must be >= 1"):
+        ck.checkpoints_to_delete(steps, 10, 0)
+
+
+def test_rotation_keeps_the_newest_and_the_best_and_deletes_nothing_on_a_failed_write(tmp_path):
+    scores = {1: 0.5, 2: 0.9, 3: 0.1, 4: 0.2, 5: 0.3}
+    deleted = []
+    for step in range(1, 6):
+        deleted += ck.save_checkpoint(ck.checkpoint_dir(tmp_path, step), _Actor(), _sampler(), step, keep=2,
+                                      scores={s: r for s, r in scores.items() if s <= step})
+    assert _names(tmp_path) == ["step_000002", "step_000004", "step_000005"]  # newest two + the best (step 2)
+    assert [ck.checkpoint_step(p) for p in deleted] == [1, 3]
+    # without scores (keep_best=false) only the newest two
+    for step in (6, 7):
+        ck.save_checkpoint(ck.checkpoint_dir(tmp_path, step), _Actor(), _sampler(), step, keep=2)
+    assert _names(tmp_path) == ["step_000006", "step_000007"]
+    # a failing write rotates nothing away
+    with pytest.raises(ck.DiskFull):
+        ck.save_checkpoint(ck.checkpoint_dir(tmp_path, 8), _Actor(fail=OSError(errno.ENOSPC, "full")), _sampler(),
+                           8, keep=1)
+    assert _names(tmp_path) == ["step_000006", "step_000007"]
+
+
+def test_a_kill_in_the_middle_of_a_rotation_leaves_a_del_that_resume_removes(tmp_path):
+    for step in (1, 2):
+        ck.save_checkpoint(ck.checkpoint_dir(tmp_path, step), _Actor(), _sampler(), step)
+    doomed = ck.checkpoint_dir(tmp_path, 1)
+    doomed.rename(doomed.with_name("step_000001.del"))  # renamed, then killed before the removal
+    (doomed.with_name("step_000001.del") / "weights.json").unlink()  # ... partly removed
+    assert ck.list_checkpoints(tmp_path) == [ck.checkpoint_dir(tmp_path, 2)]
+    assert ck.clean_stale(tmp_path) == [f"removed {doomed}.del (a rotated-out checkpoint whose deletion was "
+                                        "interrupted)"]
+    assert _names(tmp_path) == ["step_000002"]
+
+
+def test_a_failed_deletion_is_reported_and_skipped(tmp_path, monkeypatch):
+    for step in (1, 2, 3):
+        ck.save_checkpoint(ck.checkpoint_dir(tmp_path, step), _Actor(), _sampler(), step)
+    real = ck.Path.rename
+
+    def refuse(self, target):
+        if self.name == "step_000001":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self, target)
+
+    monkeypatch.setattr(ck.Path, "rename", refuse)
+    said = []
+    deleted = ck.rotate_checkpoints(tmp_path, 3, 1, say=said.append)
+    assert deleted == [ck.checkpoint_dir(tmp_path, 2)]
+    assert said == [f"polyrl: warning: could not delete the old checkpoint {ck.checkpoint_dir(tmp_path, 1)} "
+                    f"([Errno 13] Permission denied: '{ck.checkpoint_dir(tmp_path, 1)}')"]
+    assert _names(tmp_path) == ["step_000001", "step_000003"]
+
+
+# ------------------------------------------------------------------------------------------- free space
+def test_the_estimate_is_close_to_a_written_checkpoint(tmp_path):
+    for old in (False, True):
+        actor = _Actor(n=50_000, old=old)
+        ckpt = ck.checkpoint_dir(tmp_path / str(old), 1)
+        ck.save_checkpoint(ckpt, actor, _sampler(), 1)
+        written = ck.checkpoint_bytes(ckpt)
+        expected = 50_000 * 4 * (3 + old)  # fp32 weights (+ the old copy) + AdamW's exp_avg and exp_avg_sq
+        assert ck.estimate_checkpoint_bytes(actor) == expected + 32 * 1024
+        assert expected < written <= ck.estimate_checkpoint_bytes(actor)  # + headers, RNG states, checksums.json
+
+
+def test_checkpoints_the_run_writes_and_holds():
+    assert ck.checkpoints_to_write(0, 100, 10) == 10
+    assert ck.checkpoints_to_write(0, 25, 10) == 3  # 10, 20 and the last, 25
+    assert ck.checkpoints_to_write(20, 25, 10) == 1
+    assert ck.checkpoints_to_write(25, 25, 10) == 0
+    assert ck.checkpoints_to_write(0, 100, 0) == 0
+    assert ck.checkpoints_held(10, None) == 10
+    assert ck.checkpoints_held(10, 2) == 3  # the newest two and the one being written
+    assert ck.checkpoints_held(10, 2, keep_best=True) == 4
+    assert ck.checkpoints_held(2, 5) == 2
+
+
+def test_the_free_space_warning_from_a_patched_probe(tmp_path, monkeypatch):
+    run = tmp_path / "runs" / "x"  # not created yet: the probe asks the nearest existing folder
+    asked = []
+
+    def probe(path):
+        asked.append(path)
+        return type("Usage", (), {"free": 3 * 2**20})()
+
+    monkeypatch.setattr(ck.shutil, "disk_usage", probe)
+    assert ck.free_bytes(run) == 3 * 2**20 and asked == [tmp_path]
+    warning = ck.space_warning(run, 2**20, 4)
+    assert warning == (f"polyrl: warning: {run} has 3.0 MiB free, but the run will hold 4 checkpoint(s) of about "
+                       "1.0 MiB each (4.0 MiB): free space, lower trainer.keep_checkpoints, or point "
+                       "trainer.output_dir at a larger disk")
+    assert ck.space_warning(run, 2**20, 3) is None
+    assert ck.space_warning(run, 2**20, 0) is None
+
+
+def test_human_bytes():
+    assert [ck.human_bytes(n) for n in (0, 1023, 1536, 5 * 2**30, 3 * 2**40)] == \
+        ["0 B", "1023 B", "1.5 KiB", "5.0 GiB", "3.0 TiB"]
