@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from polyrl.evaluation.hacking import alarm_line, hacking_alarm
+from polyrl.evaluation.hacking import alarm_line, hacking_alarm, history_entry
 from polyrl.evaluation.stats import bootstrap_ci95, summarize, summarize_by_category, win_rate
 
 # 3 prompts x 2 samples, checkpoint and base from the same noise
@@ -99,3 +99,13 @@ def test_hacking_alarm_quiet_on_noise():
                             "ci95": {"r": bootstrap_ci95(reward, 0, 200), "o": bootstrap_ci95(other, 0, 200)}})
         alarms += bool(hacking_alarm(history, "r"))
     assert alarms <= 10  # ~2.5% expected when the reward rises; never more than 5%
+
+
+def test_history_entry_groups_samples_by_prompt():
+    """Samples of uneven prompts (a held-out set cycled over its rows): the prompt means are the unit."""
+    entry = history_entry(10, {"r": [1.0, 0.0, 0.0]}, ["a", "a", "b"], seed=0, resamples=100)
+    assert entry["step"] == 10
+    assert entry["means"]["r"] == pytest.approx((0.5 + 0.0) / 2)  # not 1/3, the sample mean
+    assert entry["ci95"]["r"] == bootstrap_ci95([0.5, 0.0], 0, 100)
+    with pytest.raises(ValueError, match="2 r scores for 3 samples"):
+        history_entry(0, {"r": [1.0, 0.0]}, ["a", "a", "b"], seed=0)

@@ -26,6 +26,28 @@ def half_width(ci95) -> float:
     return (hi - lo) / 2
 
 
+def history_entry(step: int, scores: dict[str, list[float]], prompt_keys: list[str], seed: int,
+                  resamples: int = 1000) -> dict:
+    """One evaluation of the history from its per-sample scores ({scorer: one score per sample}) and each sample's
+    prompt (`prompt_keys`; a prompt may have several samples, not necessarily as many as the others): per scorer the
+    mean of the prompt means and its bootstrap ci95 over prompts (stats.bootstrap_ci95)."""
+    from .stats import bootstrap_ci95
+
+    order = list(dict.fromkeys(prompt_keys))
+    entry = {"step": step, "means": {}, "ci95": {}}
+    for name, values in scores.items():
+        if len(values) != len(prompt_keys):
+            raise ValueError(f"{len(values)} {name} scores for {len(prompt_keys)} samples")
+        sums = {k: [0.0, 0] for k in order}
+        for k, v in zip(prompt_keys, values, strict=True):
+            sums[k][0] += float(v)
+            sums[k][1] += 1
+        means = [s / n for s, n in sums.values()]
+        entry["means"][name] = sum(means) / len(means)
+        entry["ci95"][name] = bootstrap_ci95(means, seed, resamples)
+    return entry
+
+
 def hacking_alarm(history: list[dict], reward: str) -> list[dict]:
     """The scorers that fell while `reward` rose, between `history[0]` and `history[-1]` (module docstring).
 
