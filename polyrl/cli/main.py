@@ -1,8 +1,10 @@
-"""`polyrl` command line: train | config | sample | export | pretrain-toy | bench | serve-reward.
+"""`polyrl` command line: train | config | sample | eval | export | pretrain-toy | bench | serve-reward.
 
     polyrl train [overrides...]            run the config (default: the embedded toy_shapes recipe); --help lists them
     polyrl config [overrides...]           print the resolved config
     polyrl sample checkpoint=DIR [n=16] [out=PATH] [overrides...]   render a grid from a checkpoint
+    polyrl eval checkpoint=DIR data.path=FILE [eval.scorers=[NAME,...]] [eval.compare_base=true] ...   benchmark a
+                                           checkpoint, paired against its base (docs/evaluation.md)
     polyrl export checkpoint=DIR out=DIR [--merge]   a diffusers LoRA (pipe.load_lora_weights) or merged pipeline
     polyrl pretrain-toy [--task shapes|motion] [--out DIR] ...   re-train an embedded toy base model
     polyrl bench [--tiny] [--workload sd35m|qwen_image] [--epochs 2] [overrides...]   docs/benchmark.md workload, timed
@@ -169,6 +171,12 @@ def cmd_sample(args: list[str]) -> int:
     return 0
 
 
+def cmd_eval(args: list[str]) -> int:
+    from .evaluate import main as eval_main
+
+    return eval_main(args)
+
+
 def cmd_export(args: list[str]) -> int:
     from .export import main as export_main
 
@@ -193,7 +201,7 @@ def cmd_serve_reward(args: list[str]) -> int:
     return serve_main(args)
 
 
-COMMANDS = {"train": cmd_train, "config": cmd_config, "sample": cmd_sample, "export": cmd_export,
+COMMANDS = {"train": cmd_train, "config": cmd_config, "sample": cmd_sample, "eval": cmd_eval, "export": cmd_export,
             "pretrain-toy": cmd_pretrain_toy, "bench": cmd_bench, "serve-reward": cmd_serve_reward}
 
 
