@@ -132,3 +132,42 @@ def test_shipped_toy_model_generates_in_plain_diffusers_as_in_polyrl():
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
     meta = [{k: v for k, v in r.items() if k != "prompt"} for r in rows]
     assert ShapesReward()(theirs, prompts, meta).scores.mean() > 0.6  # it draws the shapes it is asked for
+
+
+def test_merged_export_of_the_shipped_toy_model_loads_with_the_printed_line(shape_prompts_file, tmp_path, capfd):
+    """The toy model has no T5 (text_encoder_3, tokenizer_3 null in model_index.json, which diffusers requires): the
+    export keeps them null without diffusers' "cannot be saved" warning and prints the line that loads the result,
+    which is run here as printed."""
+    import logging
+    import re
+
+    from polyrl.config import ASSETS
+
+    ckpt = _train(ASSETS / "toy_shapes", shape_prompts_file, tmp_path / "run")
+    capfd.readouterr()
+    out = tmp_path / "merged"
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("diffusers").addHandler(handler)  # diffusers' own logger does not propagate to caplog
+    try:
+        assert main(["export", f"checkpoint={ckpt}", f"out={out}", "--merge"]) == 0
+    finally:
+        logging.getLogger("diffusers").removeHandler(handler)
+    assert not [w for w in warnings if "cannot be saved" in w], warnings
+    err = capfd.readouterr().err
+    line = re.search(r"load it with (.*)$", err, re.M).group(1)
+    assert line == f"StableDiffusion3Pipeline.from_pretrained({str(out)!r}, text_encoder_3=None, tokenizer_3=None)"
+    pipe = eval(line, {"StableDiffusion3Pipeline": StableDiffusion3Pipeline})  # exactly what the user is told to run
+    assert pipe.text_encoder_3 is None and pipe.tokenizer_3 is None
+    index = json.loads((out / "model_index.json").read_text())
+    assert index["text_encoder_3"] == [None, None] and index["tokenizer_3"] == [None, None]
+    trained = load_file(str(ckpt / "adapter_model.safetensors"))
+    base = StableDiffusion3Pipeline.from_pretrained(str(ASSETS / "toy_shapes"), text_encoder_3=None, tokenizer_3=None)
+    with torch.no_grad():
+        moved = (pipe.transformer(**_inputs(pipe.transformer))[0] - base.transformer(**_inputs(base.transformer))[0])
+    assert any("lora_B" in k and t.abs().sum() > 0 for k, t in trained.items()) and moved.abs().max() > 0
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe("a red circle", num_inference_steps=2, height=32, width=32, guidance_scale=1.0, max_sequence_length=0,
+                 output_type="pt").images
+    assert image.shape == (1, 3, 32, 32) and torch.isfinite(image).all()

@@ -9,7 +9,9 @@ several .safetensors files, of which it would pick one).
 
 With `--merge` (LoRA or full fine-tune): `out/` is a whole pipeline directory: the base pipeline with each
 trained network's weights merged in (LoRA: W + (alpha/r)·B·A, by peft's own merge) or replaced (full fine-tune),
-in the dtype the run used (`model.dtype`); load it with `<PipelineClass>.from_pretrained(out)`.
+in the dtype the run used (`model.dtype`); load it with the line the export prints,
+`<PipelineClass>.from_pretrained(out)` plus `<component>=None` for each required component the base lacks (the
+shipped toy model has no T5: `text_encoder_3=None, tokenizer_3=None`).
 
 The base model is the run's `model.path` (its config.yaml, two levels above the checkpoint), or `model.path=`.
 """
@@ -97,14 +99,32 @@ def export_lora(ckpt: Path, meta: dict, model_path: Path, out: Path) -> Path:
     return out / "pytorch_lora_weights.safetensors"
 
 
-def load_base_pipeline(model_path: Path, dtype):
-    """The base pipeline; components model_index.json lists as null (e.g. SD3 without T5) are passed as None, as
-    diffusers asks for components a pipeline class does not mark optional."""
+def absent_components(model_path: Path) -> dict[str, None]:
+    """Components model_index.json lists as null (e.g. SD3 without T5: text_encoder_3, tokenizer_3), as None."""
     from ..models.diffusers_base import load_model_index
 
     index = load_model_index(model_path)
-    absent = {k: None for k, v in index.items() if isinstance(v, list) and v[:1] == [None]}
-    return pipeline_class(model_path).from_pretrained(str(model_path), torch_dtype=dtype, **absent)
+    return {k: None for k, v in index.items() if isinstance(v, list) and v[:1] == [None]}
+
+
+def required_absent(model_path: Path) -> dict[str, None]:
+    """The absent components diffusers must be handed as None: those the pipeline class does not mark optional (a
+    null optional one, e.g. SD3's image_encoder, loads as None by itself)."""
+    optional = set(getattr(pipeline_class(model_path), "_optional_components", []))
+    return {k: None for k in absent_components(model_path) if k not in optional}
+
+
+def load_base_pipeline(model_path: Path, dtype):
+    """The base pipeline; components model_index.json lists as null are passed as None, as diffusers asks for
+    components a pipeline class does not mark optional."""
+    return pipeline_class(model_path).from_pretrained(str(model_path), torch_dtype=dtype, **absent_components(model_path))
+
+
+def load_line(model_path: Path, out: Path) -> str:
+    """The one line that loads a merged export: the pipeline class, the directory and every required component
+    the base lacks as `=None` (diffusers cannot be told by model_index.json alone that a required one is absent)."""
+    args = [repr(str(out))] + [f"{k}=None" for k in sorted(required_absent(model_path))]
+    return f"{pipeline_class(model_path).__name__}.from_pretrained({', '.join(args)})"
 
 
 def export_merged(ckpt: Path, meta: dict, model_path: Path, out: Path, dtype) -> Path:
@@ -124,6 +144,9 @@ def export_merged(ckpt: Path, meta: dict, model_path: Path, out: Path, dtype) ->
         for network in networks.values():
             network.fuse_lora()  # peft's merge: W += (alpha / r) · B·A
             network.unload_lora()  # the merged base layers stay
+    # the base's absent components stay null in model_index.json, as in the base; marked optional on this instance
+    # only, so that save_pretrained skips them instead of warning that None "cannot be saved"
+    pipe._optional_components = [*pipe._optional_components, *absent_components(model_path)]
     pipe.save_pretrained(str(out))
     return out
 
@@ -151,7 +174,7 @@ def main(args: list[str]) -> int:
     try:
         if opts["merge"]:
             export_merged(ckpt, meta, model_path, tmp, DTYPES.get(str(cfg.model.dtype), torch.float32))
-            how = f"{pipeline_class(model_path).__name__}.from_pretrained({str(out)!r})"
+            how = load_line(model_path, out)
         else:
             export_lora(ckpt, meta, model_path, tmp)
             how = f"pipe.load_lora_weights({str(out)!r}) on a {pipeline_class(model_path).__name__} of {model_path}"
