@@ -21,9 +21,24 @@ GROUPS = ("recipe", "model", "algorithm", "reward", "actor", "rollout", "data", 
           "parallel", "ray")
 
 
+BUILDING_BLOCK = "# building block"  # a recipe header line: the file composes, but is not offered as a recipe
+
+
+def is_building_block(path: Path) -> bool:
+    """A YAML whose header comment (the lines before its first key) has a line starting with BUILDING_BLOCK: a part
+    other recipes build on (toy_common) or a command uses (sd35m_flowgrpo_bench), not a run to offer."""
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            return False
+        if line.startswith(BUILDING_BLOCK):
+            return True
+    return False
+
+
 def group_options(group: str) -> list[str]:
-    """The options of a config group: its YAML files (and, for `reward`, every registered reward)."""
-    names = {p.stem for p in (CONFIG_DIR / group).glob("*.yaml")}
+    """The options of a config group: its YAML files except building blocks (and, for `reward`, every registered
+    reward)."""
+    names = {p.stem for p in (CONFIG_DIR / group).glob("*.yaml") if not is_building_block(p)}
     if group == "reward":
         from ..rewards import REWARDS
 
@@ -161,7 +176,7 @@ def train_help() -> str:
         "                           (then reward=<its name>; docs/rewards.md, Your own reward)",
         "",
         "examples:",
-        "  polyrl train                                          # the toy recipe, about 9 minutes on a laptop CPU",
+        "  polyrl train                                          # the toy recipe, about 4-5 minutes on 2 CPU cores",
         "  polyrl train recipe=sd35_flowgrpo model.path=/ckpt/sd3.5-medium data.path=prompts.txt",
         "  polyrl train trainer.output_dir=runs/a trainer.resume=auto   # continue a stopped run",
     ]
