@@ -138,6 +138,33 @@ def test_another_model_under_the_toy_recipe_is_refused(capsys):
     assert main(["config", "model=sd3"]) == 0  # the toy recipe's own family is fine
 
 
+def test_a_data_path_of_your_own_drops_the_recipes_heldout_file(tmp_path, capsys):
+    """`model=causal_lm algorithm=grpo model.path=… data.path=… reward=math_answer` under the default toy recipe must not evaluate on
+    the toy's shapes_heldout.jsonl: it is dropped with a note, unless data.heldout_path is set too."""
+    from omegaconf import OmegaConf
+
+    from polyrl.config import ASSETS
+
+    def config(*overrides):
+        assert main(["config", *overrides]) == 0
+        out = capsys.readouterr()
+        return OmegaConf.create(out.out).data, out.err
+
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    mine = ["model=causal_lm", "algorithm=grpo", f"model.path={tmp_path}", f"data.path={data}", "reward=math_answer"]
+    got, err = config(*mine)
+    assert got.heldout_path is None and got.path == str(data)
+    assert "polyrl: note: data.path=" in err and "shapes_heldout.jsonl" in err and "data.heldout_path=FILE" in err
+    held = tmp_path / "held.jsonl"
+    got, err = config(*mine, f"data.heldout_path={held}")  # the user's own held-out file stays
+    assert got.heldout_path == str(held) and "note" not in err
+    toy_heldout = str(ASSETS / "prompts" / "shapes_heldout.jsonl")
+    assert config()[0].heldout_path == toy_heldout  # the default run keeps its held-out prompts
+    got, err = config(f"data.path={ASSETS / 'prompts' / 'shapes_train.jsonl'}")  # the recipe's own data, spelled out
+    assert got.heldout_path == toy_heldout and "note" not in err
+
+
 MY_REWARDS = '''
 import torch
 from polyrl.rewards import RewardOutput, register_reward

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -102,6 +104,29 @@ def _check_model_path(raw: DictConfig, overrides: list[str]) -> None:
     )
 
 
+def _override_value(overrides: list[str], key: str) -> str | None:
+    """The value the last `key=value` override (`+key=`, `++key=` alike) gives, or None."""
+    values = [o.split("=", 1)[1] for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+") == key]
+    return values[-1] if values else None
+
+
+def _drop_recipe_heldout(raw: DictConfig, overrides: list[str]) -> str | None:
+    """A recipe's held-out file belongs to the recipe's data: when the user sets another data.path and no
+    data.heldout_path, evaluating on it (e.g. the toy's shapes_heldout.jsonl under a math data set) is wrong, so it
+    is dropped (evaluations then use data.path's prompts). Returns the note to print, or None."""
+    held, path = OmegaConf.select(raw, "data.heldout_path"), _override_value(overrides, "data.path")
+    if not held or path is None or _override_value(overrides, "data.heldout_path") is not None:
+        return None
+    recipe = _compose([o for o in overrides if o.split("=", 1)[0].lstrip("+") != "data.path"])
+    recipe_path = OmegaConf.select(recipe, "data.path", default=None, throw_on_missing=False)
+    if isinstance(recipe_path, str) and Path(recipe_path).resolve() == Path(path).resolve():
+        return None  # the recipe's own data: its held-out file still fits
+    raw.data.heldout_path = None
+    return (f"polyrl: note: data.path={path} is set and data.heldout_path is not, so the recipe's held-out file "
+            f"({held}) is not used; evaluations and sample grids use data.path's prompts (set "
+            "data.heldout_path=FILE for held-out prompts of your own)")
+
+
 def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """Compose `config.yaml` with Hydra overrides (`key=value`, `group=option`) and validate it."""
     from hydra.errors import HydraException
@@ -116,9 +141,13 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     try:
         raw = _compose(overrides)
         _check_model_path(raw, list(overrides))
+        note = _drop_recipe_heldout(raw, list(overrides))
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(_hydra_message(str(e), list(overrides))) from None
-    return validate(raw)
+    cfg = validate(raw)
+    if note and os.environ.get("RANK", "0") == "0":  # once, not per torchrun rank
+        print(note, file=sys.stderr)
+    return cfg
 
 
 COMMON_KEYS = (
