@@ -7,3 +7,10 @@ file, line, key or URL at fault. Anything else that escapes is a bug and keeps i
 
 class UserError(Exception):
     """A problem in the user's input, reported as one `polyrl: error:` line (no traceback)."""
+
+
+def missing_extra(what: str, extra: str, packages: str) -> UserError:
+    """The `polyrl: error:` line for an optional dependency that is not installed: what needs it, and the extra of
+    pyproject.toml that installs it (the core install leaves it out; docs/install.md)."""
+    return UserError(f"{what} needs polyrl's `{extra}` extra ({packages}), which is not installed: "
+                     f"pip install 'polyrl[{extra}]' (from a clone: pip install -e '.[{extra}]')")

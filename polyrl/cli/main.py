@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import UserError, missing_extra
 
 USAGE = __doc__
 
@@ -197,7 +197,12 @@ def cmd_bench(args: list[str]) -> int:
 
 
 def cmd_serve_reward(args: list[str]) -> int:
-    from ..serving.cli import main as serve_main
+    try:
+        from ..serving.cli import main as serve_main
+    except ModuleNotFoundError as e:  # the web framework is the `serve` extra
+        if (e.name or "").split(".")[0] not in ("fastapi", "starlette", "uvicorn"):
+            raise
+        raise missing_extra("polyrl serve-reward", "serve", "fastapi, uvicorn") from None
 
     return serve_main(args)
 

@@ -1,7 +1,8 @@
 """`ocr`: does the image show the quoted text of the prompt? (the Flow-GRPO OCR task)
 
 The engine is RapidOCR (`rapidocr-onnxruntime`): PP-OCRv4 detection + recognition ONNX models shipped inside
-the wheel, run with onnxruntime on the CPU. Nothing is downloaded.
+the wheel, run with onnxruntime on the CPU. Nothing is downloaded. It is the `ocr` extra
+(`pip install -e '.[ocr]'`), not the core install; without it `reward=ocr` is one `polyrl: error:` line naming it.
 
 Score per image, with the Flow-GRPO normalisation:
 
@@ -24,6 +25,7 @@ import re
 
 import torch
 
+from ..errors import missing_extra
 from .base import RewardOutput, check_batch, image_batch_as_uint8, media_kind, register_reward
 
 _QUOTED = re.compile(r'"([^"]*)"')
@@ -71,8 +73,10 @@ def load_engine(use_cls: bool, threads: int, det_limit_side_len: int = 960, det_
     """One RapidOCR engine per setting per process (loading the three ONNX sessions takes ~1 s)."""
     try:
         from rapidocr_onnxruntime import RapidOCR
-    except ImportError as e:  # pragma: no cover - it is a dependency, but say what to install if it is gone
-        raise ImportError("reward=ocr needs the rapidocr-onnxruntime package (pip install rapidocr-onnxruntime)") from e
+    except ModuleNotFoundError as e:  # the `ocr` extra is not installed (or only part of it)
+        if (e.name or "").split(".")[0] not in ("rapidocr_onnxruntime", "onnxruntime", "cv2"):
+            raise
+        raise missing_extra("reward=ocr", "ocr", "rapidocr-onnxruntime, which pulls onnxruntime and opencv-python") from None
     return RapidOCR(use_cls=use_cls, intra_op_num_threads=threads, inter_op_num_threads=1 if threads > 0 else -1,
                     det_limit_side_len=det_limit_side_len, det_limit_type=det_limit_type)
 
