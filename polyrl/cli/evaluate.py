@@ -346,7 +346,7 @@ def write_grids(out: Path, models: Models, plan, rows, records, scorers, opts: E
     """Grids of the largest gains and losses of the first scorer, re-sampled from their seeds (the same samples the
     report scored); paired: each checkpoint tile beside its base tile."""
     from ..models.base import prompt_text
-    from ..trainer.logging import save_samples
+    from ..trainer.samples import save_samples
 
     name = next(iter(scorers))
     top, low = pick_extremes(records, name, opts.grid, opts.compare_base)
