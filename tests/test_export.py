@@ -112,8 +112,7 @@ def test_shipped_toy_model_generates_in_plain_diffusers_as_in_polyrl():
     (max_sequence_length=0); its images then equal polyrl's deterministic samples from the same noise."""
     from polyrl.config import ASSETS, load_config
     from polyrl.rewards.shapes import ShapesReward
-    from polyrl.sampling.diffusion import draw_noise, rollout
-    from polyrl.sampling.diffusion import plan_from_config
+    from polyrl.sampling.diffusion import draw_noise, plan_from_config, rollout
 
     rows = [json.loads(line) for line in (ASSETS / "prompts" / "shapes_heldout.jsonl").read_text().splitlines()][:8]
     prompts = [r["prompt"] for r in rows]
