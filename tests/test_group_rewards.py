@@ -346,6 +346,8 @@ def test_group_reward_on_two_ranks_gets_whole_groups(tiny_qwen3_dir, tmp_path):
         for call in calls[r]:
             assert all(g["n"] == 3 for g in call["groups"])  # every member, no other
             assert sorted(call["ids"]) == sorted(i for i in set(call["ids"]) for _ in range(3))
+        # reward.async with chunks of 2 and groups of 3: each group is scored as soon as its last member arrives
+        assert len(calls[r]) == 2 and all(len(call["groups"]) == 1 for call in calls[r])
     # the step's 4 groups: 2 per rank, each scored once
     per_rank = {r: [g["prompt"] for call in calls[r] for g in call["groups"]] for r in (0, 1)}
     assert len(per_rank[0]) == len(per_rank[1]) == 2

@@ -254,7 +254,9 @@ class RayRewardStage:
         self.pool, self.reads_media = pool, reads_media
         self.steps = 0
 
-    def begin(self, prompts: list, metadata: list[dict]) -> RemoteScoring:
+    def begin(self, prompts: list, metadata: list[dict], group_ids=None) -> RemoteScoring:
+        """`group_ids` (what the local stage uses for group rewards) are not used: the reward workers score chunks,
+        so a group reward fails there (docs/rewards.md, "Group rewards")."""
         self.steps += 1
         return RemoteScoring(self.pool, list(prompts), list(metadata), self.steps)
 

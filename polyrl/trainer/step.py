@@ -130,7 +130,7 @@ def train_step(stages: Stages, cfg, step: int) -> dict:
             prompts, metadata, group_ids, mine = step_rows(s, rows, n)
             draws = s.sampler.draws(group_ids, mine, step, attempt)
             # reward: after the rollout, or chunk by chunk during it (reward.async, rewards/stage.py)
-            scoring = s.reward_stage.begin(prompts, metadata)
+            scoring = s.reward_stage.begin(prompts, metadata, group_ids[mine])  # group rewards: whole groups
             try:
                 batch = s.sampler.rollout(prompts, metadata, group_ids[mine], draws, scoring, timer)
             except BaseException:
