@@ -25,7 +25,7 @@ that came and, after each one, scores the groups that became complete (every mem
 group is never cut and never mixed with a partial group, whatever the chunking, so both schedules give the same
 scores. That needs the step's group ids at `begin`; without them the scoring waits for `finish` (then the whole
 batch in one call, grouped by `batch.group_ids`, as in the sync schedule). In a data-parallel run each rank holds
-whole groups (trainer `_sample_ids`), so a group reward runs per rank on its own groups.
+whole groups (trainer/step.py `step_rows`), so a group reward runs per rank on its own groups.
 """
 
 from __future__ import annotations
