@@ -18,7 +18,7 @@ from ..registry import Registry
 from ..sampling.steps import StepOut
 from .advantage import group_advantages
 
-POLICIES = ("current", "reference", "old", "teacher")
+POLICIES = ("current", "reference", "old", "teacher")  # and "teacher:<j>", the j-th of several teachers
 
 
 class PolicyEvaluator(Protocol):
@@ -41,6 +41,11 @@ class PolicyEvaluator(Protocol):
         """The network's velocity at arbitrary latents (forward-process losses); guidance None = the rollout's."""
         ...
 
+    def sigma_grid(self) -> torch.Tensor:
+        """The rollout's sampling grid σ_0 = 1 > … > σ_N = 0 (float32, N + 1 values): forward-process losses that
+        train at the grid's own timesteps (DGPO, AWM: Flow-Factory's `discrete` time sampling) draw from it."""
+        ...
+
 
 class AlgorithmBase:
     """Defaults for the declarations the actor and trainer read; an algorithm overrides what it needs."""
@@ -58,6 +63,8 @@ class AlgorithmBase:
     # step options any algorithm takes (STEP_OPTIONS): the step's filter-and-refill of flat groups (trainer/step.py)
     dynamic_sampling: bool = False
     max_refills: int = 3  # at most this many extra rollouts per step
+    whole_groups: bool = False  # every mini- and micro-batch holds whole prompt groups (DGPO's group preference)
+    old_every_optimizer_step: bool = False  # the old (EMA) copy moves after every optimizer step, not every update
 
     @property
     def needs_reference(self) -> bool:
@@ -81,7 +88,8 @@ class AlgorithmBase:
         return batch.rewards
 
     def old_decay(self, update: int) -> float | None:
-        """Decay d of the old-policy update old ← d·old + (1−d)·θ after update number `update`; None: actor.ema_decay."""
+        """Decay d of the old-policy update old ← d·old + (1−d)·θ after update number `update` (optimizer step
+        number with `old_every_optimizer_step`); None: actor.ema_decay."""
         return None
 
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:

@@ -290,6 +290,12 @@ def validate(raw: DictConfig) -> DictConfig:
     for logger in cfg.trainer.loggers:
         _check_choice("trainer.loggers", logger, ("tensorboard", "wandb", "mlflow"))
     _check_kwargs("algorithm", OmegaConf.to_container(cfg.algorithm), ALGORITHMS, STEP_OPTIONS)
+    from ..algorithms import build_algorithm
+
+    try:  # an algorithm checks its own values (ranges, choices) on construction: one line, before anything loads
+        build_algorithm(OmegaConf.to_container(cfg.algorithm))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     from ..models.base import policy_kind
 
     # a model is a diffusion or a token policy, and a loss trains one kind (models/base.py, docs/tokens.md)
