@@ -379,6 +379,7 @@ class DiffusionSampler:
     networks under `policy` (the actor's sampling policy), or on Ray rollout replicas (`use_remote`)."""
 
     fp8_auto = True  # measured on diffusion transformers (perf/fp8.py)
+    runs_on_replicas = True  # Ray rollout replicas (distributed/ray_stages.py RolloutReplica)
 
     @staticmethod
     def plan_from_config(cfg, micro_batch: int, say) -> SamplingPlan:

@@ -278,6 +278,7 @@ class TokenSampler:
     it). The held-out evaluation decodes greedily."""
 
     fp8_auto = False  # model.fp8=auto is measured on diffusion transformers only: off unless asked for
+    runs_on_replicas = False  # no Ray rollout replica samples tokens yet
 
     @staticmethod
     def plan_from_config(cfg, micro_batch: int, say) -> TokenPlan:
@@ -290,8 +291,7 @@ class TokenSampler:
         self.fps = 16.0  # of sample videos (a token policy decodes none today)
 
     def use_remote(self, remote, max_staleness: int) -> None:
-        raise ValueError("trainer.launcher=ray with rollout.workers > 0 drives diffusion policies; this model is a "
-                         "token policy: use rollout.workers=0")
+        raise NotImplementedError("token rollouts run in the driver (runs_on_replicas is False)")
 
     def draws(self, group_ids: torch.Tensor, mine: slice, step: int, attempt: int) -> torch.Tensor:
         if attempt == 0:

@@ -112,11 +112,9 @@ class Trainer:
             raise ConfigError("trainer.launcher=ray runs one driver process; start it with `polyrl train`, not torchrun")
         from .remote import launch  # Ray is imported only by a run that asks for it
 
-        if self.cfg.rollout.workers > 0:
-            try:  # a kind whose sampler cannot run on replicas refuses before Ray starts
-                self.sampler.use_remote(None, 0)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+        if not self.sampler.runs_on_replicas:  # refused before Ray starts
+            raise ConfigError(f"trainer.launcher=ray drives diffusion policies; model.name={self.cfg.model.name} is "
+                              "not one: use trainer.launcher=local")
         self.remote = launch(self.cfg, self.actor, self.adapter, self.reward_stage.reads_media)
         if self.remote.reward_stage is not None:
             self.reward_stage.close()
