@@ -125,35 +125,6 @@ def load_eval_config(checkpoint: Path | None, overrides: list[str]):
     return validate(OmegaConf.merge(OmegaConf.load(run_cfg), OmegaConf.from_dotlist(overrides)))
 
 
-def scorer_configs(names: list[str], cfg, extra: dict) -> dict[str, dict]:
-    """Each scorer's reward config: the run's `reward` for its own name, else config/reward/<name>.yaml (or the
-    registered class's defaults), with `scorer.<name>.*` on top; a required key left unset is a ConfigError."""
-    from omegaconf import OmegaConf
-
-    from ..config import CONFIG_DIR, ConfigError
-    from ..rewards import REWARDS
-
-    unknown = sorted(set(extra) - set(names))
-    if unknown:
-        raise ConfigError(f"scorer.{unknown[0]}.* is set but {unknown[0]} is not in eval.scorers={names}")
-    out = {}
-    for name in names:
-        if name not in REWARDS:
-            raise ConfigError(f"eval.scorers: {name!r} is not a registered reward; allowed: {', '.join(sorted(REWARDS))}")
-        if name == cfg.reward.name:
-            base = OmegaConf.to_container(cfg.reward)
-        elif (CONFIG_DIR / "reward" / f"{name}.yaml").is_file():
-            base = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "reward" / f"{name}.yaml"))
-        else:
-            base = {"name": name}
-        conf = {**base, **extra.get(name, {}), "name": name}
-        missing = [k for k, v in conf.items() if v == "???"]
-        if missing:
-            raise ConfigError(f"scorer {name} needs {', '.join(f'scorer.{name}.{k}=...' for k in missing)}")
-        out[name] = conf
-    return out
-
-
 def eval_plan(r, noise_level: float):
     """The rollout config's sampling plan, made deterministic (noise level 0) or SDE at `noise_level` everywhere,
     with no trained window (every step sampled alike)."""
@@ -381,6 +352,7 @@ def main(args: list[str]) -> int:
     from tqdm import tqdm
 
     from ..config import ConfigError
+    from ..config.schema import scorer_configs
     from ..data.benchmarks import load_benchmark
     from ..distributed.engine import pick_device
     from ..models import MODELS
@@ -405,7 +377,7 @@ def main(args: list[str]) -> int:
     if opts.max_prompts:
         rows = rows[: opts.max_prompts]
     names = list(opts.scorers or [cfg.reward.name])
-    confs = scorer_configs(names, cfg, extra)
+    confs = scorer_configs(names, cfg, extra)  # eval.scorers / scorer.<name>.<key>
     plan = eval_plan(cfg.rollout, opts.noise_level)
     spec = {"checkpoint": str(ckpt) if ckpt else None, "model_path": str(cfg.model.path),
             "data_path": str(cfg.data.path), "format": fmt, "scorers": names, "scorer_configs": confs,

@@ -126,6 +126,10 @@ class TrainerConfig:
     eval_samples: int = 64
     eval_seed: int = 1234
     num_validation: int = 16  # images in each sample grid (0: no sample grids written)
+    # extra scorers of every held-out evaluation (eval/<scorer> in the metrics) and the reward-hacking watch on them
+    # (eval/hacking_alarm; docs/evaluation.md); their arguments: +trainer.eval_scorer_args.<name>.<key>=value
+    eval_scorers: list = field(default_factory=list)
+    eval_scorer_args: dict = field(default_factory=dict)
     progress: bool = True
     tensorboard: bool = True  # false: leave tensorboard out of `loggers`
     loggers: list = field(default_factory=lambda: ["tensorboard"])  # any of LOGGERS (trainer/logging.py)
@@ -241,6 +245,40 @@ def _check_launcher(cfg: DictConfig) -> None:
     if cfg.actor.backend != "local":
         raise ConfigError(f"trainer.launcher=ray drives actor.backend=local; actor.backend={cfg.actor.backend} is "
                           "launched with torchrun (docs/distributed.md)")
+
+
+def scorer_configs(names: list[str], cfg, extra: dict, key: str = "eval.scorers",
+                   arg_prefix: str = "scorer") -> dict[str, dict]:
+    """The reward configs of extra scorers (`polyrl eval`'s `eval.scorers`, the trainer's `trainer.eval_scorers`).
+    Each scorer's reward config: the run's `reward` for its own name, else config/reward/<name>.yaml (or only the
+    name, for a reward registered in code), with `extra[name]` (`<arg_prefix>.<name>.<key>=value`) on top. A name
+    that is not a registered reward, `extra` for a name not in `names`, or a required key left unset (`???`) is a
+    ConfigError naming `key` / `arg_prefix`."""
+    from pathlib import Path
+
+    from ..rewards import REWARDS
+
+    reward_dir = Path(__file__).resolve().parent / "reward"
+
+    unknown = sorted(set(extra) - set(names))
+    if unknown:
+        raise ConfigError(f"{arg_prefix}.{unknown[0]}.* is set but {unknown[0]} is not in {key}={list(names)}")
+    out = {}
+    for name in names:
+        if name not in REWARDS:
+            raise ConfigError(f"{key}: {name!r} is not a registered reward; allowed: {', '.join(sorted(REWARDS))}")
+        if name == cfg.reward.name:
+            base = OmegaConf.to_container(cfg.reward)
+        elif (reward_dir / f"{name}.yaml").is_file():
+            base = OmegaConf.to_container(OmegaConf.load(reward_dir / f"{name}.yaml"))
+        else:
+            base = {"name": name}
+        conf = {**base, **(extra.get(name) or {}), "name": name}
+        missing = [k for k, v in conf.items() if v == "???"]
+        if missing:
+            raise ConfigError(f"scorer {name} needs {', '.join(f'{arg_prefix}.{name}.{k}=...' for k in missing)}")
+        out[name] = conf
+    return out
 
 
 def validate(raw: DictConfig) -> DictConfig:
@@ -414,6 +452,9 @@ def validate(raw: DictConfig) -> DictConfig:
         raise ConfigError(f"actor.num_minibatches={a.num_minibatches} must be in [1, data.prompts_per_step * rollout.n = {batch}]")
     if cfg.trainer.resume not in (None, "auto") and not str(cfg.trainer.resume).strip():
         raise ConfigError("trainer.resume must be null, auto, or a checkpoint directory")
+    if cfg.trainer.eval_scorers:
+        scorer_configs(list(cfg.trainer.eval_scorers), cfg, OmegaConf.to_container(cfg.trainer.eval_scorer_args),
+                       "trainer.eval_scorers", "trainer.eval_scorer_args")
     if cfg.trainer.max_steps < 0:
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 0")
     t = cfg.trainer

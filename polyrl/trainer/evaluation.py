@@ -69,3 +69,64 @@ class SampleFiles:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(self.tiles))
         return tiles, (self.tiles["rewards"] if self.tiles["step"] != step else None)
+
+
+class HackingWatch:
+    """`trainer.eval_scorers`: every held-out evaluation is also scored by these scorers, and the reward-hacking
+    watch (evaluation/hacking.py) compares the latest evaluation with the run's first. Metrics per evaluation:
+    `eval/<name>` (the mean over held-out prompts of their samples' mean) with `eval/<name>/ci95_lo` and `_hi` (the
+    bootstrap over prompts, seeded by `trainer.eval_seed`) for the reward and each scorer, and `eval/hacking_alarm`
+    (1.0 while the reward rose and a scorer fell by more than its noise since the first evaluation). The first
+    evaluation is read back from the metrics log on resume; the warning line is printed once per run."""
+
+    def __init__(self, cfg, history: list[dict]):
+        from omegaconf import OmegaConf
+
+        from ..config.schema import scorer_configs
+        from ..rewards import build_reward
+
+        t = cfg.trainer
+        self.reward_name, self.seed = cfg.reward.name, t.eval_seed
+        confs = scorer_configs(list(t.eval_scorers), cfg, OmegaConf.to_container(t.eval_scorer_args),
+                               "trainer.eval_scorers", "trainer.eval_scorer_args")
+        self.names = [n for n in confs if n != self.reward_name]
+        self.scorers = {n: build_reward(confs[n], key=f"trainer.eval_scorer_args.{n}") for n in self.names}
+        self.first = self._entry_from_log(history)
+        self.warned = False
+
+    def _entry_from_log(self, history: list[dict]) -> dict | None:
+        names = [self.reward_name, *self.names]
+        for m in history:
+            if all(f"eval/{n}/ci95_lo" in m for n in names):
+                return {"step": m["step"], "means": {n: m[f"eval/{n}"] for n in names},
+                        "ci95": {n: [m[f"eval/{n}/ci95_lo"], m[f"eval/{n}/ci95_hi"]] for n in names}}
+        return None
+
+    def observe(self, batch: Rollout, step: int) -> tuple[dict, str | None]:
+        """(metrics of this evaluation, the warning line when the alarm fires for the first time)."""
+        from ..evaluation.hacking import alarm_line, hacking_alarm, history_entry
+        from ..media import primary
+        from ..models.base import prompt_text
+        from ..rewards.base import call_reward
+        from ..rewards.stage import checked_scores, reward_latents
+
+        scores = {self.reward_name: batch.rewards.tolist()}
+        with torch.no_grad():
+            for name, scorer in self.scorers.items():
+                out = call_reward(scorer, primary(batch.media), batch.prompts, batch.metadata,
+                                  latents=reward_latents(batch.final), group_ids=batch.group_ids)
+                scores[name] = checked_scores(out, name, len(batch)).tolist()
+        keys = [prompt_text(p) for p in batch.prompts]
+        entry = history_entry(step, scores, keys, self.seed)
+        metrics = {}
+        for name in scores:
+            metrics[f"eval/{name}"] = entry["means"][name]
+            metrics[f"eval/{name}/ci95_lo"], metrics[f"eval/{name}/ci95_hi"] = entry["ci95"][name]
+        if self.first is None:
+            self.first = entry
+        fallen = hacking_alarm([self.first, entry], self.reward_name)
+        metrics["eval/hacking_alarm"] = float(bool(fallen))
+        line = None
+        if fallen and not self.warned:
+            self.warned, line = True, alarm_line(fallen, self.reward_name)
+        return metrics, line

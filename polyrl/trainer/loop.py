@@ -29,7 +29,7 @@ from ..perf.compile import save_compile_cache
 from ..rewards.stage import RewardStage, RewardUnavailable
 from .build import build_policy, build_reward_and_algorithm, load_data
 from .checkpoint import CheckpointError, checkpoint_dir, load_checkpoint, load_newest, save_checkpoint
-from .evaluation import SampleFiles, evaluate
+from .evaluation import HackingWatch, SampleFiles, evaluate
 from .logging import MetricsLogger, plot_reward_curve
 from .recovery import SNAPSHOT_MAX_PARAMS, RunStopped, StopRequested, WeightSnapshot
 from .run_dir import resolve_on_main, resume_command
@@ -96,6 +96,7 @@ class Trainer:
         self._stop_note = ""
         self.samples = SampleFiles(self.run_dir, t.num_validation, self.sampler.fps)
         self._first_eval: tuple[int, float] | None = None  # (step, held-out reward) of the run's first evaluation
+        self._watch: HackingWatch | None = None  # trainer.eval_scorers: built at the first evaluation (rank 0)
         self.bar = tqdm(disable=True)  # fit's progress bar
         self.remote = None
         if t.launcher == "ray":
@@ -162,6 +163,13 @@ class Trainer:
                 return
             self.samples.write(batch, self.step)
             metrics["eval/reward_mean"] = mean
+            if self.cfg.trainer.eval_scorers:  # extra scorers and the reward-hacking watch (docs/evaluation.md)
+                if self._watch is None:
+                    self._watch = HackingWatch(self.cfg, self.logger.history())
+                watch_metrics, warning = self._watch.observe(batch, self.step)
+                metrics.update(watch_metrics)
+                if warning:
+                    self.bar.write(warning, file=sys.stderr)
             metrics["time/eval"] = time.perf_counter() - t0
             self._print_eval(mean)
         except StopRequested:  # the step itself is complete: it is logged and saved, then every rank stops
