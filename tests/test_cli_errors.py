@@ -163,6 +163,10 @@ def test_a_data_path_of_your_own_drops_the_recipes_heldout_file(tmp_path, capsys
     assert config()[0].heldout_path == toy_heldout  # the default run keeps its held-out prompts
     got, err = config(f"data.path={ASSETS / 'prompts' / 'shapes_train.jsonl'}")  # the recipe's own data, spelled out
     assert got.heldout_path == toy_heldout and "note" not in err
+    # `polyrl train` shows the note once the run has started: an error before then stays the only line
+    assert main(["train", *mine, f"trainer.output_dir={tmp_path / 'run'}"]) == 2  # model.path holds no model
+    errors = _errors(capsys)
+    assert len(errors) == 1 and errors[0].startswith("polyrl: error:"), errors
 
 
 MY_REWARDS = '''

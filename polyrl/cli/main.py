@@ -92,7 +92,8 @@ def cmd_train(args: list[str]) -> int:
         print(train_help())
         return 0
     imports, overrides = pop_imports(args)
-    cfg = load_config(overrides)
+    notes = []
+    cfg = load_config(overrides, notes)
     trainer = Trainer(cfg, overrides=[a for spec in imports for a in ("--import", spec)] + overrides)
     main = trainer.engine.is_main
     if main:
@@ -101,6 +102,8 @@ def cmd_train(args: list[str]) -> int:
         ranks = f", {trainer.engine.world_size} ranks: {' '.join(layout)}" if trainer.engine.world_size > 1 else ""
         print(f"polyrl: run directory {trainer.run_dir} ({trainer.actor.num_trainable:,} trainable parameters, "
               f"device {trainer.device}{ranks})", file=sys.stderr)
+        for note in notes:  # after the run started: an error before it stays the only line
+            print(note, file=sys.stderr)
     try:
         history = trainer.fit()
     except RunStopped as e:  # printed before close(): under torchrun a rank that exits first ends the others
@@ -122,7 +125,10 @@ def cmd_config(args: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
         print(train_help().replace("polyrl train", "polyrl config"))
         return 0
-    print(OmegaConf.to_yaml(load_config(pop_imports(args)[1]), resolve=True), end="")
+    notes = []
+    print(OmegaConf.to_yaml(load_config(pop_imports(args)[1], notes), resolve=True), end="")
+    for note in notes:
+        print(note, file=sys.stderr)
     return 0
 
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import re
-import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -127,8 +125,11 @@ def _drop_recipe_heldout(raw: DictConfig, overrides: list[str]) -> str | None:
             "data.heldout_path=FILE for held-out prompts of your own)")
 
 
-def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """Compose `config.yaml` with Hydra overrides (`key=value`, `group=option`) and validate it."""
+def load_config(overrides: list[str] | tuple[str, ...] = (), notes: list[str] | None = None) -> DictConfig:
+    """Compose `config.yaml` with Hydra overrides (`key=value`, `group=option`) and validate it. What composing
+    changed on its own (a recipe's held-out file dropped) is appended to `notes` as lines to show the user once the
+    run has started (`polyrl train` prints them after its run-directory line), so that an error before then stays
+    the only line."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -145,8 +146,8 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(_hydra_message(str(e), list(overrides))) from None
     cfg = validate(raw)
-    if note and os.environ.get("RANK", "0") == "0":  # once, not per torchrun rank
-        print(note, file=sys.stderr)
+    if note and notes is not None:
+        notes.append(note)
     return cfg
 
 
