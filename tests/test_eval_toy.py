@@ -33,7 +33,9 @@ def toy_run(tmp_path_factory):
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(lines[i] + "\n" for i in TOY_ROWS))
     out = root / "run"
+    # 5 sampling steps instead of the recipe's 10 (training and the eval, which reads the run's config): half the time
     assert main(["train", f"data.path={prompts}", "data.heldout_path=null", "data.prompts_per_step=2", "rollout.n=4",
+                 "rollout.num_steps=5", "rollout.sde_window_size=2", "rollout.sde_window_range=[0,2]",
                  "trainer.max_steps=2", "trainer.eval_every=0", "trainer.save_every=2", f"trainer.output_dir={out}",
                  "trainer.progress=false", "trainer.loggers=[]"]) == 0
     return out / "checkpoints" / "step_000002", prompts
