@@ -1,0 +1,101 @@
+"""Faults that scripts/soak.py injects from inside a training process (`polyrl train --import scripts/soak_faults.py`),
+chosen by the environment variable POLYRL_SOAK_FAULT=<kind>:<step>. Each fires once, at the first checkpoint write of
+a step >= <step>:
+
+    kill_weights   SIGKILL after the weight files are written, before trainer_state.pt
+    kill_state     SIGKILL with half of trainer_state.pt written
+    kill_fsync     SIGKILL with every file written and fsync'ed, before the rename of step_N.tmp to step_N
+    kill_rotate    SIGKILL after rotation renamed an old checkpoint to step_N.del, before it is removed
+    enospc         the trainer_state.pt write fails with ENOSPC (a full disk where the soak cannot mount a tmpfs)
+
+Nothing here changes a number the run computes: a fault only ends the process, or fails a write, at a chosen point.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import pathlib
+import signal
+import sys
+
+from polyrl.trainer import checkpoint as ck
+
+_SPEC = os.environ.get("POLYRL_SOAK_FAULT", "")
+KIND, _, _STEP = _SPEC.partition(":")
+AT = int(_STEP) if _STEP else 0
+_state = {"step": None, "fired": False}
+
+
+def _die(where: str) -> None:
+    print(f"soak_faults: SIGKILL {where} (step {_state['step']})", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _armed() -> bool:
+    return not _state["fired"] and _state["step"] is not None and _state["step"] >= AT
+
+
+_trainer_state = ck.trainer_state
+
+
+def trainer_state(actor, sampler, step, extra=None):
+    _state["step"] = step  # called after the weights are written, before torch.save
+    if KIND == "kill_weights" and _armed():
+        _state["fired"] = True
+        _die("after the weight files")
+    return _trainer_state(actor, sampler, step, extra)
+
+
+_save = ck.torch.save
+
+
+def save(obj, f, *args, **kwargs):
+    if isinstance(f, (str, os.PathLike)) and pathlib.Path(f).name == ck.STATE_FILE and _armed():
+        if KIND == "kill_state":
+            _state["fired"] = True
+            buf = io.BytesIO()
+            _save(obj, buf, *args, **kwargs)
+            data = buf.getvalue()
+            with open(f, "wb") as out:
+                out.write(data[: len(data) // 2])
+                out.flush()
+                os.fsync(out.fileno())
+            _die(f"with {len(data) // 2} of {len(data)} bytes of {f} written")
+        if KIND == "enospc":
+            _state["fired"] = True
+            print(f"soak_faults: ENOSPC writing {f} (step {_state['step']})", file=sys.stderr, flush=True)
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+    return _save(obj, f, *args, **kwargs)
+
+
+_fsync = ck._fsync
+
+
+def fsync(path):
+    _fsync(path)
+    if KIND == "kill_fsync" and pathlib.Path(path).name.endswith(".tmp") and _armed():
+        _state["fired"] = True
+        _die(f"before renaming {path}")
+
+
+_rename = pathlib.Path.rename
+
+
+def rename(self, target):
+    out = _rename(self, target)
+    if KIND == "kill_rotate" and str(target).endswith(".del") and _armed():
+        _state["fired"] = True
+        _die(f"after renaming {self} to {target}")
+    return out
+
+
+if KIND:
+    known = ("kill_weights", "kill_state", "kill_fsync", "kill_rotate", "enospc")
+    if KIND not in known:
+        raise SystemExit(f"soak_faults: unknown fault {KIND!r}; one of {', '.join(known)}")
+    ck.trainer_state = trainer_state
+    ck.torch.save = save
+    ck._fsync = fsync
+    pathlib.Path.rename = rename
