@@ -5,7 +5,7 @@ number but times) equal to an uninterrupted deterministic run's of the same leng
     nice -n 19 python scripts/soak.py --minutes 30                 # rounds of 16 steps, faults at random steps
     python scripts/soak.py --minutes 5 --steps 8 --seed 1 --workdir /tmp/soak
 
-Faults (each round draws 2-4 of them at distinct random steps):
+Faults (each round draws 2-4 of them, every kind equally often, at distinct random steps):
     reward_blip    the reward server (reward=http, `polyrl serve-reward reward=shapes`) killed -9 and restarted
                    at once: the trainer's retries must absorb it (no exit)
     reward_outage  the reward server killed and left down: the run saves its last step and exits 3
@@ -211,13 +211,23 @@ def expected(kind: str, code: int, err: str) -> tuple[bool, str]:
     return False, f"exit {code} (the run should not have stopped)"
 
 
+_BAG: list[str] = []
+
+
+def draw_kind(rng: random.Random, kinds: tuple[str, ...]) -> str:
+    """The next fault kind: every kind once, in a shuffled order, then again (each kind equally often)."""
+    if not _BAG:
+        _BAG.extend(rng.sample(kinds, len(kinds)))
+    return _BAG.pop()
+
+
 def run_round(i: int, rng: random.Random, steps: int, work: Path, disk: Disk, server: RewardServer,
-              reference: Path) -> dict:
+              reference: Path, kinds: tuple[str, ...] = FAULTS) -> dict:
     run_dir = disk.root / f"round_{i:03d}"
     logs = work / "logs" / f"round_{i:03d}"
     logs.mkdir(parents=True, exist_ok=True)
     at = sorted(rng.sample(range(1, steps - 1), rng.randint(2, min(4, steps - 2))))
-    faults = [{"kind": rng.choice(FAULTS), "step": s} for s in at]
+    faults = [{"kind": draw_kind(rng, kinds), "step": s} for s in at]
     for f in faults:
         if f["kind"] == "kill9_save":
             f["point"] = rng.choice(KILL_POINTS)
@@ -305,7 +315,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the fault schedule (training's seed is fixed)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/polyrl_soak"))
     p.add_argument("--tmpfs-mb", type=int, default=32)
+    p.add_argument("--faults", default=",".join(FAULTS), help="the kinds to draw from, comma-separated")
     a = p.parse_args()
+    kinds = tuple(k for k in a.faults.split(",") if k)
+    if not kinds or set(kinds) - set(FAULTS):
+        p.error(f"--faults: give some of {', '.join(FAULTS)}")
     if a.steps < 4:
         p.error("--steps must be >= 4")
     shutil.rmtree(a.workdir, ignore_errors=True)
@@ -314,7 +328,8 @@ def main() -> int:
     deadline = time.monotonic() + a.minutes * 60
     server = RewardServer(free_port(), a.workdir / "reward_server.log")
     disk = Disk(a.workdir / "disk", a.tmpfs_mb)
-    summary = {"steps": a.steps, "seed": a.seed, "minutes": a.minutes, "tmpfs": disk.tmpfs, "rounds": []}
+    summary = {"steps": a.steps, "seed": a.seed, "minutes": a.minutes, "tmpfs": disk.tmpfs, "faults": kinds,
+               "rounds": []}
     t0 = time.monotonic()
     try:
         server.start()
@@ -330,7 +345,7 @@ def main() -> int:
         say(f"reference run of {a.steps} steps: {summary['reference_seconds']} s")
         i = 0
         while i == 0 or time.monotonic() < deadline:  # at least one round
-            summary["rounds"].append(run_round(i, rng, a.steps, a.workdir, disk, server, reference))
+            summary["rounds"].append(run_round(i, rng, a.steps, a.workdir, disk, server, reference, kinds))
             i += 1
             (a.workdir / "soak.json").write_text(json.dumps(summary, indent=1))
     finally:

@@ -80,6 +80,10 @@ def save_compile_cache(path: Path | None) -> int:
         return 0
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:  # e.g. a full disk: no partial file left behind
+        tmp.unlink(missing_ok=True)
+        raise
     return len(data)
