@@ -5,11 +5,12 @@ checkpoint-size estimate and the free-space warning."""
 from __future__ import annotations
 
 import errno
+import json
 import re
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from polyrl.data.prompts import PromptSampler
 from polyrl.trainer import checkpoint as ck
@@ -218,3 +219,55 @@ def test_the_free_space_warning_from_a_patched_probe(tmp_path, monkeypatch):
 def test_human_bytes():
     assert [ck.human_bytes(n) for n in (0, 1023, 1536, 5 * 2**30, 3 * 2**40)] == \
         ["0 B", "1023 B", "1.5 KiB", "5.0 GiB", "3.0 TiB"]
+
+
+# ------------------------------------------------------------------------------------------- the CLI, end to end
+def _train(tiny_sd3_dir, shape_prompts_file, out, steps, *extra):
+    return ["train", f"model.path={tiny_sd3_dir}", f"data.path={shape_prompts_file}", f"trainer.output_dir={out}",
+            f"trainer.max_steps={steps}", "rollout.height=32", "rollout.width=32", "rollout.num_steps=3",
+            "rollout.n=2", "data.prompts_per_step=2", "rollout.batch_size=4", "model.max_sequence_length=16",
+            "trainer.progress=false", "trainer.tensorboard=false", "trainer.eval_every=0", "trainer.save_every=1",
+            "trainer.deterministic=true", "reward=jpeg_compressibility", "rollout.sde_window_size=2",
+            "rollout.sde_window_range=[0,1]", "trainer.resume=auto", *extra]
+
+
+def _steps(run):
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_disk_full_during_a_checkpoint_is_one_line_and_resume_continues(tiny_sd3_dir, shape_prompts_file, tmp_path,
+                                                                        monkeypatch, capsys):
+    from polyrl.cli.main import main
+
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    assert main(_train(tiny_sd3_dir, shape_prompts_file, reference, 4)) == 0
+    real_save, writes = ck.torch.save, []
+
+    def full_at_step_3(obj, f, *args, **kwargs):  # the disk fills while step 3's trainer state is written
+        if isinstance(obj, dict) and obj.get("step") == 3:
+            writes.append(f)
+            open(f, "wb").write(b"PK\x03\x04")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(ck.torch, "save", full_at_step_3)
+    capsys.readouterr()
+    code = main(_train(tiny_sd3_dir, shape_prompts_file, run, 4))
+    err = capsys.readouterr().err
+    last = ck.checkpoint_dir(run, 2)
+    lines = [line for line in err.splitlines() if line.startswith("polyrl:") and "run directory" not in line
+             and "has no checkpoint yet" not in line]
+    assert code == 2 and "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith(
+        f"polyrl: error: disk full: could not write the checkpoint {ck.checkpoint_dir(run, 3)} (needs about "), err
+    assert f"the last complete checkpoint is {last}; free space, then resume with: polyrl train " in lines[0]
+    assert f"trainer.output_dir={run} trainer.resume=auto" in lines[0]
+    assert len(writes) == 1  # no second checkpoint attempted on the full disk
+    assert ck.list_checkpoints(run) == [last, ck.checkpoint_dir(run, 1)] and not list((run / "checkpoints").glob("*.*"))
+    ck.read_checkpoint(last)
+    monkeypatch.setattr(ck.torch, "save", real_save)  # space freed
+    assert main(_train(tiny_sd3_dir, shape_prompts_file, run, 4)) == 0
+    assert _steps(run) == [1, 2, 3, 4] == _steps(reference)
+    a = load_file(str(ck.checkpoint_dir(run, 4) / "adapter_model.safetensors"))
+    b = load_file(str(ck.checkpoint_dir(reference, 4) / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
