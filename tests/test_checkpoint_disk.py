@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 
 import pytest
@@ -271,3 +272,69 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_resume_continues(tiny_sd3
     a = load_file(str(ck.checkpoint_dir(run, 4) / "adapter_model.safetensors"))
     b = load_file(str(ck.checkpoint_dir(reference, 4) / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs (root only; skipped where it cannot be mounted)."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_disk_that_fills_between_steps_is_one_line_after_one_warning(tiny_sd3_dir, shape_prompts_file, small_disk,
+                                                                       monkeypatch, capsys):
+    """On a real full disk (tmpfs): the sample grid is optional (one warning), metrics.jsonl and TensorBoard are
+    not (one error line, no traceback of TensorBoard's writer thread); freed, the run resumes with every step once."""
+    from polyrl.cli.main import main
+    from polyrl.trainer.evaluation import SampleFiles
+
+    run, filler = small_disk / "run", small_disk / "filler"
+    real_write = SampleFiles.write
+
+    def fill_before_step_3(self, batch, step):  # the disk fills after step 3's evaluation, before its files
+        if step == 3 and not filler.exists():
+            with open(filler, "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * 65536)
+                except OSError:
+                    pass
+        return real_write(self, batch, step)
+
+    monkeypatch.setattr(SampleFiles, "write", fill_before_step_3)
+    extra = ("trainer.tensorboard=true", "trainer.eval_every=1", "trainer.eval_samples=2", "trainer.save_every=2",
+             "trainer.keep_checkpoints=1")
+    code = main(_train(tiny_sd3_dir, shape_prompts_file, run, 4, *extra))
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("polyrl:") and ("warning" in line or "error" in line)]
+    assert code == 2 and "Traceback" not in err, err
+    assert len(said) == 2, said
+    assert said[0].startswith("polyrl: warning: disk full: the samples of step 3 under ")
+    # the next required write: metrics.jsonl, or TensorBoard's events when the log's last page still had room
+    assert re.match(re.escape("polyrl: error: disk full: could not write the ")
+                    + f"(metrics log {re.escape(str(run / 'metrics.jsonl'))} \\(needs about .*, |tensorboard logs "
+                    + f"{re.escape(str(run / 'tensorboard'))} \\()0 B free\\);", said[1]), said[1]
+    assert f"the last complete checkpoint is {ck.checkpoint_dir(run, 2)}; free space, then resume with: " in said[1]
+    filler.unlink()
+    monkeypatch.setattr(SampleFiles, "write", real_write)
+    assert main(_train(tiny_sd3_dir, shape_prompts_file, run, 4, *extra)) == 0
+    assert _steps(run) == [0, 1, 2, 3, 4]
+    assert ck.list_checkpoints(run) == [ck.checkpoint_dir(run, 4)]  # keep_checkpoints=1 rotated step 2 away
+
+
+def test_the_run_warns_before_its_first_checkpoint_when_the_disk_is_small(tiny_sd3_dir, shape_prompts_file, tmp_path,
+                                                                         monkeypatch, capsys):
+    from polyrl.cli.main import main
+
+    monkeypatch.setattr(ck, "free_bytes", lambda path: 1024)  # 1 KiB free: the tiny LoRA's checkpoints need more
+    assert main(_train(tiny_sd3_dir, shape_prompts_file, tmp_path / "run", 2, "trainer.keep_checkpoints=1")) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("polyrl: warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(f"polyrl: warning: {tmp_path / 'run'} has 1.0 KiB free, but "
+                                                         "the run will hold 2 checkpoint(s) of about ")

@@ -70,7 +70,7 @@ def is_disk_full(error: BaseException | None) -> bool:
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+        if isinstance(error, DiskFull) or isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
             return True
         text = str(error).lower()
         if any(t in text for t in _DISK_FULL_TEXT):

@@ -8,12 +8,14 @@ import json
 import math
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
 from PIL import Image, ImageDraw
 
 from ..errors import UserError
+from .checkpoint import DiskFull, is_disk_full
 
 LOGGERS = ("tensorboard", "wandb", "mlflow")
 
@@ -45,15 +47,18 @@ class MetricsLogger:
     """One JSON object per step in `metrics.jsonl`, plus the scalars to each logger of `loggers`: `tensorboard`
     (run_dir/tensorboard), `wandb` (Weights & Biases; settings from its WANDB_* environment variables, files
     under run_dir), `mlflow` (settings from MLFLOW_TRACKING_URI / MLFLOW_EXPERIMENT_NAME). wandb and mlflow are
-    imported only when listed; a logger that fails while the run goes on is reported once and dropped."""
+    imported only when listed; a logger that fails while the run goes on is reported once and dropped, except on
+    a full disk: metrics.jsonl and the loggers' files are the run's record, so a write that finds the disk full
+    raises DiskFull (its `last` checkpoint is the trainer's to fill in)."""
 
     def __init__(self, run_dir: Path, loggers=("tensorboard",), name: str = "polyrl", config: dict | None = None,
                  warn=None, resumed_at: int | None = None):
         """`resumed_at`: the step a resumed run continues from (0 when it had no checkpoint): every later step the
         stopped run logged is dropped (`truncate_after`; TensorBoard purges its events), so each step is logged
         once."""
-        self.path = run_dir / "metrics.jsonl"
+        self.path, self.run_dir = run_dir / "metrics.jsonl", run_dir
         self.warn = warn or (lambda msg: print(msg, file=sys.stderr))
+        self.disk_full = False  # a full disk was reported: closing then says nothing more about it
         self.sinks: dict[str, object] = {}
         self.resume_note = self.truncate_after(resumed_at) if resumed_at is not None else None
         for logger in dict.fromkeys(loggers):
@@ -76,14 +81,25 @@ class MetricsLogger:
         return note
 
     def log(self, metrics: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        line = json.dumps(metrics) + "\n"
+        try:
+            with open(self.path, "a") as f:
+                f.write(line)
+        except OSError as e:
+            if is_disk_full(e):
+                self.disk_full = True
+                raise DiskFull(self.path, len(line.encode()), None, "metrics log") from e
+            raise
         scalars = {k: float(v) for k, v in metrics.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         for name, sink in list(self.sinks.items()):
             try:
                 sink.log(scalars, metrics["step"])
-            except Exception as e:  # a logging service going away must not stop training
+            except Exception as e:  # a logging service going away must not stop training; a full disk does
+                if is_disk_full(e):
+                    self.disk_full = True
+                    where = self.run_dir / "tensorboard" if name == "tensorboard" else self.run_dir
+                    raise DiskFull(where, None, None, f"{name} logs") from e
                 self.warn(f"polyrl: warning: logger {name} failed ({type(e).__name__}: {e}); it is dropped for this run")
                 del self.sinks[name]
 
@@ -95,13 +111,35 @@ class MetricsLogger:
             try:
                 sink.close()
             except Exception as e:
-                self.warn(f"polyrl: warning: logger {name} did not close cleanly ({type(e).__name__}: {e})")
+                if not (self.disk_full and is_disk_full(e)):  # a full disk already said is not said again
+                    self.warn(f"polyrl: warning: logger {name} did not close cleanly ({type(e).__name__}: {e})")
         self.sinks = {}
+
+
+def _quiet_tensorboard_disk_full() -> None:
+    """TensorBoard writes its events on a thread of its own; on a full disk that thread dies printing a traceback,
+    and `flush` raises the same error in the trainer, which reports it (DiskFull). This hook keeps the thread's
+    copy quiet; any other exception of any thread is printed as before."""
+    previous = threading.excepthook
+    if getattr(previous, "polyrl_tensorboard", False):
+        return
+
+    def hook(args):
+        from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+        if isinstance(args.thread, _AsyncWriterThread) and is_disk_full(args.exc_value):
+            return
+        previous(args)
+
+    hook.polyrl_tensorboard = True
+    threading.excepthook = hook
 
 
 class TensorBoardSink:
     def __init__(self, run_dir: Path, name: str, config: dict, resumed_at: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
+
+        _quiet_tensorboard_disk_full()
 
         # a resumed run hides the stopped run's events after its checkpoint (TensorBoard's purge_step)
         purge = None if resumed_at is None else resumed_at + 1

@@ -28,7 +28,20 @@ from ..models.base import policy_kind
 from ..perf.compile import save_compile_cache
 from ..rewards.stage import RewardStage, RewardUnavailable
 from .build import build_policy, build_reward_and_algorithm, load_data
-from .checkpoint import CheckpointError, checkpoint_dir, load_checkpoint, load_newest, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    DiskFull,
+    checkpoint_dir,
+    checkpoints_held,
+    checkpoints_to_write,
+    estimate_checkpoint_bytes,
+    is_disk_full,
+    latest_checkpoint,
+    load_checkpoint,
+    load_newest,
+    save_checkpoint,
+    space_warning,
+)
 from .evaluation import HackingWatch, SampleFiles, evaluate
 from .logging import MetricsLogger, plot_reward_curve
 from .recovery import SNAPSHOT_MAX_PARAMS, RunStopped, StopRequested, WeightSnapshot
@@ -80,13 +93,24 @@ class Trainer:
             self.say(f"polyrl: resuming run {self.run_dir} from {loaded.name} (step {self.step})"
                      + (" instead" if loaded != candidates[0] else ""))
         self.logger = None
+        self._disk_full = False  # a full disk stopped the run (said once; nothing more is written)
+        self._optional_skipped = False  # an optional write (samples, reward curve, compile cache) met a full disk
         if self.engine.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-            self.logger = MetricsLogger(self.run_dir, self._loggers(), cfg.name, OmegaConf.to_container(cfg, resolve=True),
-                                        warn=self.say, resumed_at=self.step if t.resume is not None else None)
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+                self.logger = MetricsLogger(self.run_dir, self._loggers(), cfg.name,
+                                            OmegaConf.to_container(cfg, resolve=True), warn=self.say,
+                                            resumed_at=self.step if t.resume is not None else None)
+            except Exception as e:
+                if is_disk_full(e):
+                    raise self._as_disk_full(e) from e
+                raise
             if self.logger.resume_note:
                 self.say(f"polyrl: {self.logger.resume_note}")
+        # held-out reward by step, for trainer.keep_best (a resumed run reads the earlier ones from its log)
+        self._scores = ({m["step"]: m["eval/reward_mean"] for m in self.logger.history() if "eval/reward_mean" in m}
+                        if self.logger is not None and t.keep_best else {})
         self.saved_step = self.step if candidates else None  # the step of the newest checkpoint on disk
         self._stop: int | None = None  # the signal that asked the run to stop
         self._phase = "idle"  # step (nothing trained yet) | update | eval | save | idle
@@ -161,8 +185,11 @@ class Trainer:
             mean, batch = self.evaluate()
             if not self.engine.is_main:  # rank 0 writes
                 return
-            self.samples.write(batch, self.step)
+            self._optional_write(f"the samples of step {self.step} under {self.samples.dir}",
+                                 self.samples.write, batch, self.step)
             metrics["eval/reward_mean"] = mean
+            if self.cfg.trainer.keep_best:
+                self._scores[self.step] = mean
             if self.cfg.trainer.eval_scorers:  # extra scorers and the reward-hacking watch (docs/evaluation.md)
                 if self._watch is None:
                     self._watch = HackingWatch(self.cfg, self.logger.history())
@@ -196,6 +223,8 @@ class Trainer:
         t, main = self.cfg.trainer, self.engine.is_main
         self.bar = tqdm(total=t.max_steps, initial=self.step, desc=self.cfg.name, disable=not (t.progress and main),
                         dynamic_ncols=True)
+        if main:
+            self._warn_free_space()
         try:
             with self._signal_handlers():
                 try:
@@ -240,7 +269,7 @@ class Trainer:
         if t.save_every > 0 and (self.step % t.save_every == 0 or last):
             self._save(collective=True)
         if self.engine.is_main and self.compiled and (self.step == 1 or self.saved_step == self.step):  # the first epoch compiled most; evals add more
-            save_compile_cache(self.compile_cache)
+            self._optional_write(f"the compile cache {self.compile_cache}", save_compile_cache, self.compile_cache)
         post = {"reward": f"{metrics['reward/mean']:.3f}"} if "reward/mean" in metrics else {}
         if "eval/reward_mean" in metrics:
             post["heldout"] = f"{metrics['eval/reward_mean']:.3f}"
@@ -256,11 +285,50 @@ class Trainer:
                 raise CheckpointError("sharded weights are saved by every rank together, which a failure on one "
                                       "rank cannot ask for")
             if self.engine.is_main or self.engine.sharded:  # sharded: every rank writes its shards
-                save_checkpoint(ckpt, self.actor, self.data.source, self.step, {}, engine=self.engine)
+                t = self.cfg.trainer  # rotation (rank 0) only once the new checkpoint is complete
+                save_checkpoint(ckpt, self.actor, self.data.source, self.step, {}, engine=self.engine,
+                                keep=t.keep_checkpoints, scores=self._scores if t.keep_best else None, say=self.say)
             if collective:
                 self.engine.barrier()
             self.saved_step, self._phase = self.step, "idle"
         return ckpt
+
+    def _warn_free_space(self) -> None:
+        """Before the run's first checkpoint: warn when the run directory's disk cannot hold the checkpoints the
+        run will hold at once (their size estimated from the trainable weights and AdamW's state)."""
+        t = self.cfg.trainer
+        held = checkpoints_held(checkpoints_to_write(self.step, t.max_steps, t.save_every), t.keep_checkpoints,
+                                t.keep_best)
+        warning = space_warning(self.run_dir, estimate_checkpoint_bytes(self.actor), held)
+        if warning:
+            self.say(warning)
+
+    def _optional_write(self, what: str, write, *args) -> None:
+        """A write the run can do without (samples, the compile cache): on a full disk it is skipped with a
+        warning, said once per run; any other failure is raised."""
+        try:
+            write(*args)
+        except Exception as e:
+            if not is_disk_full(e):
+                raise
+            if not self._optional_skipped:
+                self._optional_skipped = True
+                self.say(f"polyrl: warning: disk full: {what} not written ({e}); training goes on, and optional "
+                         "files (samples, reward curve, compile cache) are skipped while the disk is full (said once)")
+
+    def _as_disk_full(self, error: BaseException) -> DiskFull:
+        """The one-line error of a full disk: what could not be written, the last complete checkpoint, and the
+        command that resumes the run once space is freed."""
+        self._disk_full = True
+        if self.logger is not None:
+            self.logger.disk_full = True
+        found = error if isinstance(error, DiskFull) else next(
+            (e for e in _chain(error) if isinstance(e, DiskFull)), None)
+        if found is None:
+            path = next((e.filename for e in _chain(error) if isinstance(e, OSError) and e.filename), self.run_dir)
+            found = DiskFull(path, None, None, "file")
+        return DiskFull(found.path, found.needed, latest_checkpoint(self.run_dir), found.what,
+                        resume=resume_command(self.overrides, self.run_dir))
 
     def _stop_agreed(self) -> bool:
         """Whether any rank was asked to stop: one small sum over ranks per step, so that every rank stops after
@@ -301,7 +369,10 @@ class Trainer:
         step. Returns what was done, for the message."""
         phase, self._phase = self._phase, "idle"
         if self._pending is not None and self.logger is not None:
-            self.logger.log(self._pending)
+            try:
+                self.logger.log(self._pending)
+            except DiskFull as e:
+                raise self._as_disk_full(e) from e
             self._pending = None
         if phase in ("step", "update"):
             self.data.source.load_state_dict(self._source_before)
@@ -316,6 +387,8 @@ class Trainer:
             return "no training step had completed: nothing to save"
         try:
             ckpt = self._save(collective)
+        except DiskFull as e:  # the last complete checkpoint stays the resume point: one line says so
+            raise self._as_disk_full(e) from e
         except CheckpointError as e:
             return f"step {self.step} could not be saved: {e}"
         return f"saved checkpoint {ckpt} (step {self.step})"
@@ -323,7 +396,11 @@ class Trainer:
     def _failed(self, error: BaseException) -> BaseException:
         """The exception to raise for a failure that stopped the run, after saving the last completed step: a
         reward service that gave up, or a non-finite gradient, is re-raised with the save note (the CLI prints it
-        as one line); anything else keeps its type and traceback, the note printed first."""
+        as one line); anything else keeps its type and traceback, the note printed first. A full disk is DiskFull,
+        one line, with nothing more written: no second checkpoint on the full disk, the step that was in progress
+        is redone after resuming from the last complete checkpoint."""
+        if is_disk_full(error):
+            return self._as_disk_full(error)
         note = self._recover(collective=False)
         hint = f"\nresume with: {resume_command(self.overrides, self.run_dir)}" if self.step > 0 else ""
         if isinstance(error, (RewardUnavailable, FloatingPointError)):
@@ -340,8 +417,9 @@ class Trainer:
         history = []
         try:
             history = self.logger.history()
-            if history:
-                plot_reward_curve(history, self.run_dir / "reward_curve.png")
+            if history and not self._disk_full:
+                self._optional_write(f"the reward curve {self.run_dir / 'reward_curve.png'}", plot_reward_curve,
+                                     history, self.run_dir / "reward_curve.png")
         except Exception as e:
             self.say(f"polyrl: warning: could not write {self.run_dir / 'reward_curve.png'} ({type(e).__name__}: {e})")
         self.logger.close()
@@ -354,3 +432,11 @@ class Trainer:
             self.remote.close()
         self.engine.close()
 
+
+def _chain(error: BaseException | None):
+    """`error` and the exceptions it was raised from."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
