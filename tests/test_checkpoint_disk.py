@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from polyrl.data.prompts import PromptSampler
 from polyrl.trainer import checkpoint as ck
+from polyrl.trainer import disk
 
 
 class _Actor:
@@ -58,12 +59,12 @@ def test_a_full_disk_is_disk_full_naming_path_size_and_last_checkpoint(tmp_path,
     ck.save_checkpoint(first, _Actor(), _sampler(), 5)
     before = {p.name: p.read_bytes() for p in first.iterdir()}
     target = ck.checkpoint_dir(tmp_path, 6)
-    with pytest.raises(ck.DiskFull) as info:
+    with pytest.raises(disk.DiskFull) as info:
         ck.save_checkpoint(target, _Actor(fail=error), _sampler(), 6, keep=1)
     e = info.value
-    assert e.path == target and e.last == first and e.needed == ck.checkpoint_bytes(first)
+    assert e.path == target and e.last == first and e.needed == disk.checkpoint_bytes(first)
     assert str(e) == (f"disk full: could not write the checkpoint {target} (needs about "
-                      f"{ck.human_bytes(ck.checkpoint_bytes(first))}, {ck.human_bytes(e.free)} free); the last "
+                      f"{disk.human_bytes(disk.checkpoint_bytes(first))}, {disk.human_bytes(e.free)} free); the last "
                       f"complete checkpoint is {first}; free space and run again")
     assert "\n" not in str(e) and isinstance(e, ck.UserError) and e.__cause__ is error
     assert str(e.with_resume("polyrl train x=1")).endswith("; free space, then resume with: polyrl train x=1")
@@ -80,10 +81,10 @@ def test_torch_saves_short_write_is_a_full_disk_too(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ck.torch, "save", short_write)
     target = ck.checkpoint_dir(tmp_path, 1)
-    with pytest.raises(ck.DiskFull, match=re.escape(f"could not write the checkpoint {target} (needs about ")
+    with pytest.raises(disk.DiskFull, match=re.escape(f"could not write the checkpoint {target} (needs about ")
                        + r".*no checkpoint has been written yet") as info:
         ck.save_checkpoint(target, _Actor(), _sampler(), 1)
-    assert info.value.needed == ck.estimate_checkpoint_bytes(_Actor())  # nothing on disk yet: the estimate
+    assert info.value.needed == disk.estimate_checkpoint_bytes(_Actor())  # nothing on disk yet: the estimate
     assert _names(tmp_path) == []
 
 
@@ -94,7 +95,7 @@ def test_other_failures_keep_their_type_and_leave_no_temp_directory(tmp_path):
     with pytest.raises(ck.CheckpointError, match=re.escape(f"could not write checkpoint {target}: ")
                        + ".*Permission denied") as info:
         ck.save_checkpoint(target, _Actor(fail=PermissionError(errno.EACCES, "Permission denied")), _sampler(), 1)
-    assert not isinstance(info.value, ck.DiskFull)
+    assert not isinstance(info.value, disk.DiskFull)
     assert _names(tmp_path) == []
 
 
@@ -105,11 +106,11 @@ def test_is_disk_full_reads_causes_and_not_unrelated_errors():
         except OSError as inner:
             raise ValueError("while writing metrics") from inner
     except ValueError as e:
-        assert ck.is_disk_full(e)
-    assert ck.is_disk_full(RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"))
-    assert not ck.is_disk_full(RuntimeError("shape mismatch: unexpected size 3"))
-    assert not ck.is_disk_full(ValueError("unexpected pos"))  # torch's text counts only on a RuntimeError
-    assert not ck.is_disk_full(OSError(errno.EACCES, "Permission denied"))
+        assert disk.is_disk_full(e)
+    assert disk.is_disk_full(RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"))
+    assert not disk.is_disk_full(RuntimeError("shape mismatch: unexpected size 3"))
+    assert not disk.is_disk_full(ValueError("unexpected pos"))  # torch's text counts only on a RuntimeError
+    assert not disk.is_disk_full(OSError(errno.EACCES, "Permission denied"))
 
 
 # ------------------------------------------------------------------------------------------- rotation
@@ -138,7 +139,7 @@ def test_rotation_keeps_the_newest_and_the_best_and_deletes_nothing_on_a_failed_
         ck.save_checkpoint(ck.checkpoint_dir(tmp_path, step), _Actor(), _sampler(), step, keep=2)
     assert _names(tmp_path) == ["step_000006", "step_000007"]
     # a failing write rotates nothing away
-    with pytest.raises(ck.DiskFull):
+    with pytest.raises(disk.DiskFull):
         ck.save_checkpoint(ck.checkpoint_dir(tmp_path, 8), _Actor(fail=OSError(errno.ENOSPC, "full")), _sampler(),
                            8, keep=1)
     assert _names(tmp_path) == ["step_000006", "step_000007"]
@@ -181,22 +182,22 @@ def test_the_estimate_is_close_to_a_written_checkpoint(tmp_path):
         actor = _Actor(n=50_000, old=old)
         ckpt = ck.checkpoint_dir(tmp_path / str(old), 1)
         ck.save_checkpoint(ckpt, actor, _sampler(), 1)
-        written = ck.checkpoint_bytes(ckpt)
+        written = disk.checkpoint_bytes(ckpt)
         expected = 50_000 * 4 * (3 + old)  # fp32 weights (+ the old copy) + AdamW's exp_avg and exp_avg_sq
-        assert ck.estimate_checkpoint_bytes(actor) == expected + 32 * 1024
-        assert expected < written <= ck.estimate_checkpoint_bytes(actor)  # + headers, RNG states, checksums.json
+        assert disk.estimate_checkpoint_bytes(actor) == expected + 32 * 1024
+        assert expected < written <= disk.estimate_checkpoint_bytes(actor)  # + headers, RNG states, checksums.json
 
 
 def test_checkpoints_the_run_writes_and_holds():
-    assert ck.checkpoints_to_write(0, 100, 10) == 10
-    assert ck.checkpoints_to_write(0, 25, 10) == 3  # 10, 20 and the last, 25
-    assert ck.checkpoints_to_write(20, 25, 10) == 1
-    assert ck.checkpoints_to_write(25, 25, 10) == 0
-    assert ck.checkpoints_to_write(0, 100, 0) == 0
-    assert ck.checkpoints_held(10, None) == 10
-    assert ck.checkpoints_held(10, 2) == 3  # the newest two and the one being written
-    assert ck.checkpoints_held(10, 2, keep_best=True) == 4
-    assert ck.checkpoints_held(2, 5) == 2
+    assert disk.checkpoints_to_write(0, 100, 10) == 10
+    assert disk.checkpoints_to_write(0, 25, 10) == 3  # 10, 20 and the last, 25
+    assert disk.checkpoints_to_write(20, 25, 10) == 1
+    assert disk.checkpoints_to_write(25, 25, 10) == 0
+    assert disk.checkpoints_to_write(0, 100, 0) == 0
+    assert disk.checkpoints_held(10, None) == 10
+    assert disk.checkpoints_held(10, 2) == 3  # the newest two and the one being written
+    assert disk.checkpoints_held(10, 2, keep_best=True) == 4
+    assert disk.checkpoints_held(2, 5) == 2
 
 
 def test_the_free_space_warning_from_a_patched_probe(tmp_path, monkeypatch):
@@ -208,17 +209,17 @@ def test_the_free_space_warning_from_a_patched_probe(tmp_path, monkeypatch):
         return type("Usage", (), {"free": 3 * 2**20})()
 
     monkeypatch.setattr(ck.shutil, "disk_usage", probe)
-    assert ck.free_bytes(run) == 3 * 2**20 and asked == [tmp_path]
-    warning = ck.space_warning(run, 2**20, 4)
+    assert disk.free_bytes(run) == 3 * 2**20 and asked == [tmp_path]
+    warning = disk.space_warning(run, 2**20, 4)
     assert warning == (f"polyrl: warning: {run} has 3.0 MiB free, but the run will hold 4 checkpoint(s) of about "
                        "1.0 MiB each (4.0 MiB): free space, lower trainer.keep_checkpoints, or point "
                        "trainer.output_dir at a larger disk")
-    assert ck.space_warning(run, 2**20, 3) is None
-    assert ck.space_warning(run, 2**20, 0) is None
+    assert disk.space_warning(run, 2**20, 3) is None
+    assert disk.space_warning(run, 2**20, 0) is None
 
 
 def test_human_bytes():
-    assert [ck.human_bytes(n) for n in (0, 1023, 1536, 5 * 2**30, 3 * 2**40)] == \
+    assert [disk.human_bytes(n) for n in (0, 1023, 1536, 5 * 2**30, 3 * 2**40)] == \
         ["0 B", "1023 B", "1.5 KiB", "5.0 GiB", "3.0 TiB"]
 
 
@@ -333,7 +334,7 @@ def test_the_run_warns_before_its_first_checkpoint_when_the_disk_is_small(tiny_s
                                                                          monkeypatch, capsys):
     from polyrl.cli.main import main
 
-    monkeypatch.setattr(ck, "free_bytes", lambda path: 1024)  # 1 KiB free: the tiny LoRA's checkpoints need more
+    monkeypatch.setattr(disk, "free_bytes", lambda path: 1024)  # 1 KiB free: the tiny LoRA's checkpoints need more
     assert main(_train(tiny_sd3_dir, shape_prompts_file, tmp_path / "run", 2, "trainer.keep_checkpoints=1")) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("polyrl: warning:")]
     assert len(warnings) == 1 and warnings[0].startswith(f"polyrl: warning: {tmp_path / 'run'} has 1.0 KiB free, but "

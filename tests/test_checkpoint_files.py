@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from polyrl.cli.main import main
 from polyrl.data.prompts import PromptSampler
 from polyrl.trainer import checkpoint as ck
+from polyrl.trainer import disk
 
 
 def _args(model_dir, prompts, out, steps, *extra):
@@ -203,7 +204,7 @@ def test_a_full_disk_leaves_the_previous_checkpoint_and_no_temp_directory(tmp_pa
     ckpt = ck.checkpoint_dir(tmp_path, 5)
     ck.save_checkpoint(ckpt, _Actor(), sampler, 5)
     before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
-    with pytest.raises(ck.DiskFull, match=re.escape(f"disk full: could not write the checkpoint {ckpt} (needs about ")
+    with pytest.raises(disk.DiskFull, match=re.escape(f"disk full: could not write the checkpoint {ckpt} (needs about ")
                        + ".*" + re.escape(f"the last complete checkpoint is {ckpt}")):
         ck.save_checkpoint(ckpt, _Actor(fail_after=1), sampler, 5)
     assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before

@@ -15,7 +15,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from ..errors import UserError
-from .checkpoint import DiskFull, is_disk_full
+from .disk import DiskFull, is_disk_full
 
 LOGGERS = ("tensorboard", "wandb", "mlflow")
 

@@ -30,18 +30,13 @@ from ..rewards.stage import RewardStage, RewardUnavailable
 from .build import build_policy, build_reward_and_algorithm, load_data
 from .checkpoint import (
     CheckpointError,
-    DiskFull,
     checkpoint_dir,
-    checkpoints_held,
-    checkpoints_to_write,
-    estimate_checkpoint_bytes,
-    is_disk_full,
     latest_checkpoint,
     load_checkpoint,
     load_newest,
     save_checkpoint,
-    space_warning,
 )
+from .disk import DiskFull, OptionalWrites, as_disk_full, free_space_warning, is_disk_full
 from .evaluation import HackingWatch, SampleFiles, evaluate
 from .logging import MetricsLogger, plot_reward_curve
 from .recovery import SNAPSHOT_MAX_PARAMS, RunStopped, StopRequested, WeightSnapshot
@@ -94,7 +89,7 @@ class Trainer:
                      + (" instead" if loaded != candidates[0] else ""))
         self.logger = None
         self._disk_full = False  # a full disk stopped the run (said once; nothing more is written)
-        self._optional_skipped = False  # an optional write (samples, reward curve, compile cache) met a full disk
+        self._optional_write = OptionalWrites(self.say)  # samples, reward curve, compile cache: skipped when full
         if self.engine.is_main:
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -223,8 +218,9 @@ class Trainer:
         t, main = self.cfg.trainer, self.engine.is_main
         self.bar = tqdm(total=t.max_steps, initial=self.step, desc=self.cfg.name, disable=not (t.progress and main),
                         dynamic_ncols=True)
-        if main:
-            self._warn_free_space()
+        warning = free_space_warning(self.run_dir, self.actor, self.step, t) if main else None
+        if warning:
+            self.say(warning)
         try:
             with self._signal_handlers():
                 try:
@@ -293,42 +289,13 @@ class Trainer:
             self.saved_step, self._phase = self.step, "idle"
         return ckpt
 
-    def _warn_free_space(self) -> None:
-        """Before the run's first checkpoint: warn when the run directory's disk cannot hold the checkpoints the
-        run will hold at once (their size estimated from the trainable weights and AdamW's state)."""
-        t = self.cfg.trainer
-        held = checkpoints_held(checkpoints_to_write(self.step, t.max_steps, t.save_every), t.keep_checkpoints,
-                                t.keep_best)
-        warning = space_warning(self.run_dir, estimate_checkpoint_bytes(self.actor), held)
-        if warning:
-            self.say(warning)
-
-    def _optional_write(self, what: str, write, *args) -> None:
-        """A write the run can do without (samples, the compile cache): on a full disk it is skipped with a
-        warning, said once per run; any other failure is raised."""
-        try:
-            write(*args)
-        except Exception as e:
-            if not is_disk_full(e):
-                raise
-            if not self._optional_skipped:
-                self._optional_skipped = True
-                self.say(f"polyrl: warning: disk full: {what} not written ({e}); training goes on, and optional "
-                         "files (samples, reward curve, compile cache) are skipped while the disk is full (said once)")
-
     def _as_disk_full(self, error: BaseException) -> DiskFull:
-        """The one-line error of a full disk: what could not be written, the last complete checkpoint, and the
-        command that resumes the run once space is freed."""
+        """A full disk stops the run with one line; nothing more is written (not even the metrics log)."""
         self._disk_full = True
         if self.logger is not None:
             self.logger.disk_full = True
-        found = error if isinstance(error, DiskFull) else next(
-            (e for e in _chain(error) if isinstance(e, DiskFull)), None)
-        if found is None:
-            path = next((e.filename for e in _chain(error) if isinstance(e, OSError) and e.filename), self.run_dir)
-            found = DiskFull(path, None, None, "file")
-        return DiskFull(found.path, found.needed, latest_checkpoint(self.run_dir), found.what,
-                        resume=resume_command(self.overrides, self.run_dir))
+        return as_disk_full(error, self.run_dir, latest_checkpoint(self.run_dir),
+                            resume_command(self.overrides, self.run_dir))
 
     def _stop_agreed(self) -> bool:
         """Whether any rank was asked to stop: one small sum over ranks per step, so that every rank stops after
@@ -431,12 +398,3 @@ class Trainer:
         if self.remote is not None:
             self.remote.close()
         self.engine.close()
-
-
-def _chain(error: BaseException | None):
-    """`error` and the exceptions it was raised from."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
