@@ -160,33 +160,50 @@ def final_weights(run_dir: Path, steps: int) -> dict:
     return load_file(str(run_dir / "checkpoints" / f"step_{steps:06d}" / "adapter_model.safetensors"))
 
 
-def attempt(args: list[str], run_dir: Path, log: Path, fault: dict | None, server: RewardServer, disk: Disk,
-            extra_env: dict) -> tuple[int, str, bool]:
-    """One `polyrl train` process; an external fault of `fault` is injected once the run has logged its step.
-    Returns (exit code, stderr, whether the fault was injected)."""
+def attempt(args: list[str], run_dir: Path, log: Path, faults: list[dict], server: RewardServer, disk: Disk,
+            extra_env: dict) -> tuple[int, str, dict | None]:
+    """One `polyrl train` process. `faults`: the round's pending faults, in step order; the reward blips before the
+    first other fault are injected in this process once it has trained a step and reached theirs (each marked
+    absorbed when the run goes on), then that other fault, which should end the process (an external one injected here, a
+    kill9_save / patched ENOSPC armed through `extra_env`). Returns (exit code, stderr, the fault injected that
+    should have ended the process, or None)."""
     with open(log, "w") as err:
         proc = subprocess.Popen(polyrl(*args), env=child_env(extra_env), stdout=subprocess.DEVNULL, stderr=err,
                                 cwd=REPO)
-    injected = fault is not None and fault["kind"] in ("kill9_save",) or (
-        fault is not None and fault["kind"] == "disk_full" and not disk.tmpfs)
+    ending = next((f for f in faults if f["kind"] != "reward_blip"), None)
+    blips = [f for f in faults if f["kind"] == "reward_blip" and (ending is None or f["step"] < ending["step"])]
+    armed = ending is not None and ending["kind"] in ("kill9_save",) or (
+        ending is not None and ending["kind"] == "disk_full" and not disk.tmpfs)
+    injected, baseline = None, None
     try:
         while proc.poll() is None:
             time.sleep(0.2)
-            if fault is None or injected or last_step(run_dir) < fault["step"]:
+            if baseline is None:  # faults wait for this process to train a step (signal handlers installed)
+                if "polyrl: run directory" in log.read_text(errors="replace"):
+                    baseline = last_step(run_dir)  # after the resume's truncation of metrics.jsonl
                 continue
-            kind, injected = fault["kind"], True
-            if kind == "reward_blip":
+            step = last_step(run_dir)
+            if step <= baseline:
+                continue
+            if blips and step >= blips[0]["step"]:
+                blip = blips.pop(0)
                 server.kill()
                 server.start()
-                fault["note"] = f"server restarted at step {last_step(run_dir)}"
-            elif kind == "reward_outage":
+                blip["note"] = f"server killed -9 and restarted at step {step}"
+                blip["injected"] = True
+                continue
+            if ending is None or armed or injected is not None or blips or step < ending["step"]:
+                continue
+            kind, injected = ending["kind"], ending
+            if kind == "reward_outage":
                 server.kill()
-                fault["note"] = f"server killed at step {last_step(run_dir)}"
+                ending["note"] = f"server killed at step {step}"
             elif kind == "sigterm":
                 proc.send_signal(signal.SIGTERM)
             elif kind == "disk_full":
-                leave = fault["leave"]
-                fault["note"] = f"filled {disk.fill(leave)} bytes at step {last_step(run_dir)}, {leave} left free"
+                ending["note"] = f"filled {disk.fill(ending['leave'])} bytes at step {step}, {ending['leave']} left free"
+        if armed and proc.returncode != 0:
+            injected = ending
         return proc.returncode, log.read_text(errors="replace"), injected
     finally:
         if proc.poll() is None:
@@ -237,29 +254,30 @@ def run_round(i: int, rng: random.Random, steps: int, work: Path, disk: Disk, se
     pending, processes, outcome = list(faults), 0, {"round": i, "faults": faults, "problems": []}
     t0 = time.monotonic()
     while True:
-        fault = pending[0] if pending else None
+        ending = next((f for f in pending if f["kind"] != "reward_blip"), None)
         env = {}
-        if fault is not None and fault["kind"] == "kill9_save":
-            env["POLYRL_SOAK_FAULT"] = f"{fault['point']}:{fault['step']}"
-        if fault is not None and fault["kind"] == "disk_full" and not disk.tmpfs:
-            env["POLYRL_SOAK_FAULT"] = f"enospc:{fault['step']}"
+        if ending is not None and ending["kind"] == "kill9_save":
+            env["POLYRL_SOAK_FAULT"] = f"{ending['point']}:{ending['step']}"
+        if ending is not None and ending["kind"] == "disk_full" and not disk.tmpfs:
+            env["POLYRL_SOAK_FAULT"] = f"enospc:{ending['step']}"
         args = train_args(run_dir, steps, server.port) + (["--import", str(FAULT_MODULE)] if env else [])
         processes += 1
-        code, err, injected = attempt(args, run_dir, logs / f"process_{processes:02d}.err", fault, server, disk, env)
-        if fault is not None and fault["kind"] == "reward_blip" and injected:
-            fault["result"] = "absorbed" if code == 0 or last_step(run_dir) > fault["step"] else f"exit {code}"
-            if fault["result"] != "absorbed":
-                outcome["problems"].append(f"reward_blip@{fault['step']}: {fault['result']}")
-            pending.pop(0)
-            if code == 0:
-                break
-            continue
+        code, err, fault = attempt(args, run_dir, logs / f"process_{processes:02d}.err", pending, server, disk, env)
+        disk.free_up()  # after any exit: the disk freed, the reward server up again
+        if server.proc is None or server.proc.poll() is not None:
+            server.start()
+        for blip in [f for f in pending if f.get("injected")]:  # the run had to go on past each blip
+            went_on = code == 0 or last_step(run_dir) > blip["step"] or (fault is not None and fault is not blip)
+            blip["result"] = "absorbed" if went_on else f"exit {code}"
+            if not went_on:
+                outcome["problems"].append(f"reward_blip@{blip['step']}: the run exited {code}; see {logs}")
+            pending.remove(blip)
         if code == 0:
             for f in pending:
                 f["result"] = "not reached (the run ended first)"
             break
-        if fault is None or not injected:
-            outcome["problems"].append(f"process {processes} exited {code} with no fault injected")
+        if fault is None:
+            outcome["problems"].append(f"process {processes} exited {code} with no fault injected; see {logs}")
             if processes > 3 * len(faults) + 3:
                 break
             continue
@@ -271,11 +289,7 @@ def run_round(i: int, rng: random.Random, steps: int, work: Path, disk: Disk, se
             fault["message"] = lines[-1]
         if not ok:
             outcome["problems"].append(f"{fault['kind']}@{fault['step']}: {why}; see {logs}")
-        if fault["kind"] == "reward_outage":
-            server.start()
-        if fault["kind"] == "disk_full":
-            disk.free_up()
-        pending.pop(0)
+        pending.remove(fault)
     outcome["processes"], outcome["seconds"] = processes, round(time.monotonic() - t0, 1)
     # the checks
     rows = comparable(run_dir)

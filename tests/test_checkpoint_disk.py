@@ -339,3 +339,24 @@ def test_the_run_warns_before_its_first_checkpoint_when_the_disk_is_small(tiny_s
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("polyrl: warning:")]
     assert len(warnings) == 1 and warnings[0].startswith(f"polyrl: warning: {tmp_path / 'run'} has 1.0 KiB free, but "
                                                          "the run will hold 2 checkpoint(s) of about ")
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_logs_step_0_once_after_resuming(
+        tiny_sd3_dir, shape_prompts_file, tmp_path, monkeypatch, capsys):
+    """Found by scripts/soak.py: a disk full at the first checkpoint, then trainer.resume=auto from no checkpoint,
+    logged the step-0 evaluation twice."""
+    from polyrl.cli.main import main
+
+    run, real_save = tmp_path / "run", ck.torch.save
+
+    def full(obj, f, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(f))
+
+    extra = ("trainer.eval_every=1", "trainer.eval_samples=2", "trainer.num_validation=0")
+    monkeypatch.setattr(ck.torch, "save", full)
+    assert main(_train(tiny_sd3_dir, shape_prompts_file, run, 2, *extra)) == 2
+    assert _steps(run) == [0, 1] and ck.list_checkpoints(run) == []
+    assert "no checkpoint has been written yet; free space, then resume with: " in capsys.readouterr().err
+    monkeypatch.setattr(ck.torch, "save", real_save)
+    assert main(_train(tiny_sd3_dir, shape_prompts_file, run, 2, *extra)) == 0
+    assert _steps(run) == [0, 1, 2]

@@ -55,7 +55,9 @@ class MetricsLogger:
                  warn=None, resumed_at: int | None = None):
         """`resumed_at`: the step a resumed run continues from (0 when it had no checkpoint): every later step the
         stopped run logged is dropped (`truncate_after`; TensorBoard purges its events), so each step is logged
-        once."""
+        once. From 0 the run starts over, its step-0 evaluation included: everything logged is dropped."""
+        if resumed_at == 0:
+            resumed_at = -1
         self.path, self.run_dir = run_dir / "metrics.jsonl", run_dir
         self.warn = warn or (lambda msg: print(msg, file=sys.stderr))
         self.disk_full = False  # a full disk was reported: closing then says nothing more about it
