@@ -1,0 +1,60 @@
+"""`polyrl pretrain-toy --task text` at a tiny budget and `recipe=toy_ocr` through the CLI with the real OCR reward
+(RapidOCR, recognition only); the shipped toy OCR model (polyrl/assets/toy_text)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from polyrl.cli.main import main
+from polyrl.config import ASSETS, load_config
+from polyrl.toy import text_task
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    out, prompts = tmp_path_factory.mktemp("toy_text"), tmp_path_factory.mktemp("text_prompts")
+    args = ["pretrain-toy", "--task", "text", "--out", str(out), "--prompts-dir", str(prompts), "--vae-steps", "2",
+            "--vae-batch", "2", "--steps", "2", "--batch", "4", "--num-images", "8", "--eval-samples", "2",
+            "--threads", "1"]
+    assert main(args) == 0
+    return out, prompts
+
+
+def test_pretrain_writes_a_diffusers_sd3_directory_with_its_record(pretrained):
+    out, prompts = pretrained
+    index = json.loads((out / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusion3Pipeline"
+    record = json.loads((out / "pretrain.json").read_text())
+    assert record["task"] == "text" and record["steps"] == 2 and record["num_images"] == 8
+    assert record["command"].startswith("polyrl pretrain-toy --task text --vae-steps 2 --steps 2")
+    assert (record["height"], record["width"]) == (text_task.HEIGHT, text_task.WIDTH)
+    assert 0.0 <= record["heldout_ocr"] <= 1.0 and math.isfinite(record["losses"]["flow_final"])
+    assert {"vae", "encode", "flow", "eval", "total"} <= set(record["seconds"])
+    held = {json.loads(line)["text"] for line in (prompts / "text_heldout.jsonl").read_text().splitlines()}
+    assert held == set(text_task.split_words()[1])
+    tokenizer = json.loads((out / "tokenizer" / "tokenizer.json").read_text())
+    assert set(text_task.TEXT_LETTERS) <= set(tokenizer["model"]["vocab"])  # letter-level: held-out words are known
+
+
+def test_toy_ocr_recipe_trains_two_steps_with_the_real_ocr(pretrained, tmp_path):
+    out, prompts = pretrained
+    cfg = load_config(["recipe=toy_ocr"])
+    assert cfg.reward.name == "ocr" and cfg.reward.detect is False
+    assert (cfg.rollout.height, cfg.rollout.width) == (text_task.HEIGHT, text_task.WIDTH)
+    run = tmp_path / "run"
+    args = ["train", "recipe=toy_ocr", f"model.path={out}", f"data.path={prompts / 'text_train.jsonl'}",
+            f"data.heldout_path={prompts / 'text_heldout.jsonl'}", f"trainer.output_dir={run}", "trainer.max_steps=2",
+            "trainer.eval_every=2", "trainer.eval_samples=4", "trainer.num_validation=4", "trainer.save_every=2",
+            "trainer.progress=false", "trainer.tensorboard=false", "rollout.num_steps=4", "rollout.n=2",
+            "rollout.batch_size=4", "rollout.sde_window_size=2", "rollout.sde_window_range=[0,2]",
+            "data.prompts_per_step=2", "actor.num_minibatches=1"]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(0.0 <= r["reward/mean"] <= 1.0 and math.isfinite(r["loss"]) for r in rows[1:])
+    assert "reward_extra/ocr/exact" in rows[-1] and "eval/reward_mean" in rows[0] and "eval/reward_mean" in rows[-1]
+    assert (run / "samples" / "step_000002.png").is_file()
+    assert (run / "checkpoints" / "step_000002" / "adapter_model.safetensors").is_file()
