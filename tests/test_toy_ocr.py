@@ -58,3 +58,18 @@ def test_toy_ocr_recipe_trains_two_steps_with_the_real_ocr(pretrained, tmp_path)
     assert "reward_extra/ocr/exact" in rows[-1] and "eval/reward_mean" in rows[0] and "eval/reward_mean" in rows[-1]
     assert (run / "samples" / "step_000002.png").is_file()
     assert (run / "checkpoints" / "step_000002" / "adapter_model.safetensors").is_file()
+
+
+def test_shipped_text_model_is_small_and_its_record_honest():
+    """The shipped toy OCR model: a diffusers directory of at most 15 MB, trained on the CPU by the recorded
+    command, whose ODE samples on held-out words score what its pretrain.json says (16 of the 160 words here)."""
+    from polyrl.cli.pretrain_text import evaluate_text
+
+    root = ASSETS / "toy_text"
+    assert sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) <= 15 * 2**20
+    record = json.loads((root / "pretrain.json").read_text())
+    assert record["task"] == "text" and record["command"].startswith("polyrl pretrain-toy --task text")
+    assert record["eval_samples"] == 160 and 0.0 <= record["heldout_ocr"] <= 1.0
+    rows = text_task.make_prompts(text_task.split_words()[1])[::10]
+    result = evaluate_text(root, rows)
+    assert abs(result["score"] - record["heldout_ocr"]) < 0.15, (result["score"], record["heldout_ocr"])

@@ -49,17 +49,20 @@ def render_batch(words: list[str], rng: random.Random) -> torch.Tensor:
     return torch.from_numpy(arr).permute(0, 3, 1, 2).float() / 255.0
 
 
-def _mean_tail(values: list[float], k: int = 50) -> float:
-    return round(float(np.mean(values[-k:])), 5) if values else float("nan")
+def _mean_tail(values: list[float], k: int = 50) -> float | None:
+    return round(float(np.mean(values[-k:])), 5) if values else None
 
 
 def pretrain_text(
     out: str | Path, vae_steps: int = 300, steps: int = 2000, num_images: int = 8000, batch: int = 32,
     lr: float = 5e-4, seed: int = 0, prompts_dir: str | Path | None = None, device: str = "cpu",
     eval_samples: int = 160, progress: bool = True, vae_batch: int = 16, threads: int | None = None,
+    init: str | Path | None = None,
 ) -> Path:
     """Train the toy OCR model (`text_spec`) into `out` and write `pretrain.json` beside it (module docstring).
-    `threads`: torch's CPU threads (on a shared, busy CPU one thread per process is several times faster)."""
+    `threads`: torch's CPU threads (on a shared, busy CPU one thread per process is several times faster).
+    `init`: continue from a model this function wrote: its VAE (and latent normalisation) is kept, phase 1 is
+    skipped, phase 2 runs `steps` more steps with a fresh warm-up and decay; pretrain.json records both runs."""
     from ..rewards import build_reward
 
     if threads is not None:
@@ -69,7 +72,15 @@ def pretrain_text(
     torch.manual_seed(seed)
     rng = random.Random(seed)
     spec = text_spec()
-    pipe = build_tiny_sd3(spec, seed).to(device)
+    before = None
+    if init is not None:
+        from diffusers import StableDiffusion3Pipeline
+
+        before = json.loads((Path(init) / "pretrain.json").read_text())
+        pipe = StableDiffusion3Pipeline.from_pretrained(str(init), text_encoder_3=None, tokenizer_3=None).to(device)
+        vae_steps = 0
+    else:
+        pipe = build_tiny_sd3(spec, seed).to(device)
     train_words, _ = text_task.split_words()
     ocr = build_reward(OCR)
 
@@ -100,8 +111,10 @@ def pretrain_text(
         recon = (vae.decode(lat[:128]).sample / 2 + 0.5).clamp(0, 1).cpu()
     recon_score = ocr(recon, prompts[: len(recon)], [{}] * len(recon)).scores.mean().item()
     tqdm.write(f"vae: OCR accuracy of reconstructions {recon_score:.3f} (renders: 1.0)")
-    shift, scale = lat.mean().item(), 1.0 / lat.std().item()
-    vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+    if init is None:
+        shift, scale = lat.mean().item(), 1.0 / lat.std().item()
+        vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+    shift, scale = vae.config.shift_factor, vae.config.scaling_factor
     lat = (lat - shift) * scale
     timings["encode"] = time.time() - t0
 
@@ -135,6 +148,7 @@ def pretrain_text(
     timings["flow"] = time.time() - t0
 
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     fill_clip_g_slot(pipe)  # so that plain StableDiffusion3Pipeline.from_pretrained loads it (models/tiny.py)
     pipe.to("cpu").save_pretrained(str(out))
     if prompts_dir is not None:
@@ -151,7 +165,7 @@ def pretrain_text(
     (out / "pretrain.json").write_text(json.dumps({
         "task": "text", "command": f"polyrl pretrain-toy --task text --vae-steps {vae_steps} --steps {steps} "
         f"--num-images {num_images} --batch {batch} --vae-batch {vae_batch} --seed {seed} --device {device}"
-        + (f" --threads {threads}" if threads is not None else ""),
+        + (f" --threads {threads}" if threads is not None else "") + (f" --init {init}" if init is not None else ""),
         "height": text_task.HEIGHT, "width": text_task.WIDTH, "vae_steps": vae_steps, "steps": steps,
         "num_images": num_images, "batch": batch, "vae_batch": vae_batch, "lr": lr, "seed": seed, "threads": threads,
         "losses": {"vae_final": _mean_tail(vae_losses), "flow_final": _mean_tail(flow_losses),
@@ -162,6 +176,7 @@ def pretrain_text(
         "eval_samples": eval_samples, "eval": "ODE, 10 steps, guidance 1, noise seed 1234, reward=ocr detect=false",
         "seconds": {k: round(v, 1) for k, v in timings.items()},
         "torch": torch.__version__, "device": str(device),
+        **({"continued_from": before} if before is not None else {}),
     }, indent=2))
     return out
 
@@ -178,11 +193,12 @@ def write_text_prompt_files(prompts_dir: str | Path, seed: int = 0) -> None:
                 f.write(json.dumps(row) + "\n")
 
 
-def evaluate_text(path: str | Path, rows: list[dict], num_steps: int = 10, device: str = "cpu", seed: int = 1234,
-                  grid: str | Path | None = None) -> dict:
+def evaluate_text(path: str | Path, rows: list[dict], num_steps: int = 10, device: str = "cpu", seed: int = 1234, guidance: float = 1.0,
+                  grid: str | Path | None = None, checkpoint: str | Path | None = None) -> dict:
     """OCR accuracy (`reward=ocr`, recognition only) of ODE samples (fixed noise, the `sd3` adapter) for prompt
     rows {"prompt", "text"}: {"score": mean, "exact": share read exactly, "reads": what the OCR read}. `grid`: a
-    PNG of the samples, each captioned with its target word, what the OCR read and the score."""
+    PNG of the samples, each captioned with its target word, what the OCR read and the score. `checkpoint`: a
+    run's `checkpoints/step_N` directory whose trained weights (LoRA) are loaded onto the model first."""
     from ..latents import MediaShape
     from ..models.base import Guidance
     from ..models.sd3 import SD3Policy
@@ -191,9 +207,13 @@ def evaluate_text(path: str | Path, rows: list[dict], num_steps: int = 10, devic
 
     adapter = SD3Policy(SimpleNamespace(path=str(path), dtype="float32", max_sequence_length=TEXT_LENGTH),
                         torch.device(device))
+    if checkpoint is not None:
+        from ..actor.local import load_trained_weights
+
+        load_trained_weights(adapter, Path(checkpoint))
     prompts, meta = [r["prompt"] for r in rows], [{"text": r["text"]} for r in rows]
     plan = SamplingPlan(num_steps=num_steps, shape=MediaShape(text_task.HEIGHT, text_task.WIDTH),
-                        guidance=Guidance(1.0), noise_level=0.0, batch_size=64)
+                        guidance=Guidance(guidance), noise_level=0.0, batch_size=64)
     groups = torch.arange(len(rows))
     noise = draw_noise(adapter.latent_shapes(plan.shape), plan, groups, torch.Generator().manual_seed(seed))
     with torch.no_grad():

@@ -425,6 +425,7 @@ def main(args: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="text: torch CPU threads (default: torch's)")
+    p.add_argument("--init", default=None, help="text: continue training a model it wrote (VAE kept, --steps more)")
     a = p.parse_args(args)
     if a.eval_samples is None:
         a.eval_samples = 160 if a.task == "text" else 64
@@ -439,7 +440,7 @@ def main(args: list[str]) -> int:
 
         path = pretrain_text(out, vae_steps=budget["vae_steps"], steps=budget["steps"], num_images=budget["num_images"],
                              batch=budget["batch"], seed=a.seed, prompts_dir=a.prompts_dir, device=a.device,
-                             eval_samples=a.eval_samples, vae_batch=a.vae_batch, threads=a.threads)
+                             eval_samples=a.eval_samples, vae_batch=a.vae_batch, threads=a.threads, init=a.init)
     elif a.task == "count":
         from .pretrain_count import pretrain_count
 
