@@ -40,7 +40,7 @@ def test_building_blocks_compose_but_are_not_offered_as_recipes():
     from polyrl.config import CONFIG_DIR, group_options, is_building_block, load_config, train_help
 
     blocks = {p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml") if is_building_block(p)}
-    assert blocks == {"toy_common", "toy_motion_common", "sd35m_flowgrpo_bench"}
+    assert blocks == {"toy_common", "toy_motion_common", "toy_ocr_common", "sd35m_flowgrpo_bench"}
     assert not blocks & set(group_options("recipe"))
     recipes_line = " ".join(re.findall(r"^  recipe +(.*(?:\n {22}.*)*)", train_help(), re.M))
     offered = set(re.split(r"[,\s]+", recipes_line.strip()))

@@ -39,13 +39,29 @@ def test_pretrain_writes_a_diffusers_sd3_directory_with_its_record(pretrained):
     assert set(text_task.TEXT_LETTERS) <= set(tokenizer["model"]["vocab"])  # letter-level: held-out words are known
 
 
-def test_toy_ocr_recipe_trains_two_steps_with_the_real_ocr(pretrained, tmp_path):
+def test_pretrain_init_continues_a_model_keeping_its_vae(pretrained, tmp_path):
+    out, _ = pretrained
+    args = ["pretrain-toy", "--task", "text", "--init", str(out), "--out", str(tmp_path / "more"), "--prompts-dir",
+            str(tmp_path / "p"), "--steps", "1", "--batch", "2", "--num-images", "4", "--eval-samples", "0"]
+    assert main(args) == 0
+    record = json.loads((tmp_path / "more" / "pretrain.json").read_text())
+    assert record["vae_steps"] == 0 and record["steps"] == 1 and record["continued_from"]["steps"] == 2
+    assert f"--init {out}" in record["command"] and record["heldout_ocr"] is None
+    vae_before = json.loads((out / "vae" / "config.json").read_text())
+    vae_after = json.loads((tmp_path / "more" / "vae" / "config.json").read_text())
+    assert (vae_after["shift_factor"], vae_after["scaling_factor"]) == (vae_before["shift_factor"],
+                                                                         vae_before["scaling_factor"])
+
+
+@pytest.mark.parametrize("recipe", ["toy_ocr", "toy_ocr_nft"])
+def test_toy_ocr_recipe_trains_two_steps_with_the_real_ocr(pretrained, tmp_path, recipe):
     out, prompts = pretrained
-    cfg = load_config(["recipe=toy_ocr"])
+    cfg = load_config([f"recipe={recipe}"])
     assert cfg.reward.name == "ocr" and cfg.reward.detect is False
+    assert cfg.algorithm.name == {"toy_ocr": "flow_grpo", "toy_ocr_nft": "diffusion_nft"}[recipe]
     assert (cfg.rollout.height, cfg.rollout.width) == (text_task.HEIGHT, text_task.WIDTH)
     run = tmp_path / "run"
-    args = ["train", "recipe=toy_ocr", f"model.path={out}", f"data.path={prompts / 'text_train.jsonl'}",
+    args = ["train", f"recipe={recipe}", f"model.path={out}", f"data.path={prompts / 'text_train.jsonl'}",
             f"data.heldout_path={prompts / 'text_heldout.jsonl'}", f"trainer.output_dir={run}", "trainer.max_steps=2",
             "trainer.eval_every=2", "trainer.eval_samples=4", "trainer.num_validation=4", "trainer.save_every=2",
             "trainer.progress=false", "trainer.tensorboard=false", "rollout.num_steps=4", "rollout.n=2",
