@@ -7,6 +7,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", min(2, os.cpu_count() or 1))))
 
+# `python -m pytest -m "not slow"` leaves these out (pyproject.toml registers the marker; `python -m pytest`, the
+# README's command and CI's, runs everything). A file name marks every test in it, `file::test` one test.
+SLOW = {
+    # several processes: torchrun ranks, Ray clusters, signalled or restarted processes, torch.compile
+    "test_distributed.py", "test_parallel_world2.py", "test_parallel_full.py", "test_parallel_wan.py",
+    "test_token_distributed.py", "test_fsdp2_inputs.py", "test_veomni_backend.py", "test_ray_stages.py",
+    "test_ray_weight_sync.py", "test_reward_http_restart.py", "test_checkpoint_signals.py", "test_compile_cache.py",
+    "test_bench.py",
+    # many or long training runs (measured: tens of seconds to minutes each on 2 cores)
+    "test_algorithms_cli.py", "test_export.py", "test_wan_train.py", "test_pretrain_motion.py",
+    "test_bagel.py::test_two_flow_grpo_steps_through_the_cli",
+    "test_cli_errors.py::test_serve_reward_imports_the_users_file",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.path.name
+        if name in SLOW or f"{name}::{item.originalname}" in SLOW:
+            item.add_marker(pytest.mark.slow)
+
+
 SHAPE_PROMPTS = [
     "two red circles above a blue square",
     "a green triangle",
