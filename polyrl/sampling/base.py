@@ -42,7 +42,7 @@ class PolicySampler(Protocol):
     """The rollout stage of one policy kind, as the training step and the evaluation use it."""
 
     fp8_auto: bool  # model.fp8=auto is decided by measurement for this kind (perf/fp8.py), else off
-    runs_on_replicas: bool  # `use_remote` can hand the rollout to Ray rollout replicas (rollout.workers > 0)
+    runs_on_replicas: bool  # has `use_remote(remote, max_staleness)`: Ray rollout replicas (rollout.workers > 0)
     plan: object  # what a rollout samples (SamplingPlan, TokenPlan)
     fps: float  # frames per second of sample videos
 

@@ -290,9 +290,6 @@ class TokenSampler:
         self.generator: torch.Generator | None = None
         self.fps = 16.0  # of sample videos (a token policy decodes none today)
 
-    def use_remote(self, remote, max_staleness: int) -> None:
-        raise NotImplementedError("token rollouts run in the driver (runs_on_replicas is False)")
-
     def draws(self, group_ids: torch.Tensor, mine: slice, step: int, attempt: int) -> torch.Tensor:
         if attempt == 0:
             self.generator = step_generator(self.seed, step)

@@ -76,7 +76,6 @@ class Trainer:
         self.data = load_data(cfg, self.reward, policy_kind(MODELS.get(cfg.model.name)))
         self.adapter, self.sampler, self.actor, self.compile_cache = build_policy(
             cfg, self.engine, self.algo, self.say, self.run_dir, self.reward_stage.reads_media)
-        self.plan = self.sampler.plan
         self.compiled = cfg.model.get("compile", "none") != "none"
         self.step = 0
         if candidates:
