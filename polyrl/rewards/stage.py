@@ -108,13 +108,34 @@ class WallTimer:
             self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.perf_counter() - t0
 
 
-class _Overlapped:
-    """One step's overlapped scoring: `put(chunk)` submits the chunk's scoring to the worker, `finish` collects."""
+class _Worker:
+    """What the overlapped schedules share: the scoring calls queued on the stage's worker thread, waiting for them
+    (timed as `reward_wait`: the part not hidden behind sampling), and the worker's busy seconds (`time/reward`)."""
 
     def __init__(self, stage: RewardStage, prompts: list, metadata: list[dict]):
         self.stage, self.prompts, self.metadata = stage, prompts, metadata
         self.futures: list[Future] = []
         self.busy = {"time/reward": 0.0}
+
+    def _results(self, timer: WallTimer) -> list:
+        try:
+            with timer("reward_wait"):
+                return [f.result() for f in self.futures]
+        finally:
+            self.cancel()
+
+    def _times(self, timer: WallTimer) -> dict[str, float]:
+        for k, v in self.busy.items():
+            timer.times[k] = timer.times.get(k, 0.0) + v
+        return timer.times
+
+    def cancel(self) -> None:
+        for f in self.futures:
+            f.cancel()
+
+
+class _Overlapped(_Worker):
+    """One step's overlapped scoring: `put(chunk)` submits the chunk's scoring to the worker, `finish` collects."""
 
     def put(self, chunk) -> None:
         self.futures.append(self.stage.executor.submit(self._work, chunk))
@@ -135,33 +156,23 @@ class _Overlapped:
         """Wait for the chunks (timed as `reward_wait`: the part not hidden behind sampling) and attach the
         results; the worker's busy seconds go to `time/reward`."""
         timer = timer or WallTimer()
-        try:
-            with timer("reward_wait"):
-                results = [f.result() for f in self.futures]
-        finally:
-            self.cancel()
+        results = self._results(timer)
         n = sum(len(s) for s, _ in results)
         if n != len(batch):
             raise RuntimeError(f"overlapped reward scored {n} of {len(batch)} samples: the rollout did not "
                                "hand every chunk to the reward stage")
         batch.rewards = torch.cat([s for s, _ in results])
         batch.reward_extras = merge_extras([(len(s), e) for s, e in results])
-        for k, v in self.busy.items():
-            timer.times[k] = timer.times.get(k, 0.0) + v
-        return timer.times
-
-    def cancel(self) -> None:
-        for f in self.futures:
-            f.cancel()
+        return self._times(timer)
 
 
-class _GroupOverlapped:
+class _GroupOverlapped(_Worker):
     """One step's overlapped scoring for a group reward: chunks are kept until groups are complete; each `put` submits
     the groups it completed (one call for all of them) to the worker, `finish` puts the scores back in sample order.
     """
 
     def __init__(self, stage: RewardStage, prompts: list, metadata: list[dict], group_ids: torch.Tensor):
-        self.stage, self.prompts, self.metadata = stage, prompts, metadata
+        super().__init__(stage, prompts, metadata)
         self.group_ids = torch.as_tensor(group_ids).reshape(-1).long().cpu()
         if len(self.group_ids) != len(prompts):
             raise ValueError(f"reward stage: {len(self.group_ids)} group ids for {len(prompts)} samples")
@@ -169,8 +180,6 @@ class _GroupOverlapped:
         self.arrived = torch.zeros(len(prompts), dtype=torch.bool)
         self.pending = list(range(len(self.members)))  # groups not yet submitted
         self.chunks: list = []
-        self.futures: list[Future] = []
-        self.busy = {"time/reward": 0.0}
 
     def put(self, chunk) -> None:
         self.chunks.append(chunk)
@@ -212,11 +221,7 @@ class _GroupOverlapped:
 
     def finish(self, batch: Rollout, timer: WallTimer | None = None) -> dict[str, float]:
         timer = timer or WallTimer()
-        try:
-            with timer("reward_wait"):
-                results = [f.result() for f in self.futures]
-        finally:
-            self.cancel()
+        results = self._results(timer)
         n = len(batch)
         if self.pending or sum(len(i) for i, _, _ in results) != n:
             raise RuntimeError(f"the group reward scored {sum(len(i) for i, _, _ in results)} of {n} samples "
@@ -226,13 +231,7 @@ class _GroupOverlapped:
         for idx, scores, _ in results:
             batch.rewards[idx] = scores
         batch.reward_extras = scatter_extras([(idx, e) for idx, _, e in results], n)
-        for k, v in self.busy.items():
-            timer.times[k] = timer.times.get(k, 0.0) + v
-        return timer.times
-
-    def cancel(self) -> None:
-        for f in self.futures:
-            f.cancel()
+        return self._times(timer)
 
 
 def scatter_extras(parts: list[tuple[list[int], dict]], n: int) -> dict[str, list]:
