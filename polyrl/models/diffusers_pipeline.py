@@ -25,17 +25,26 @@ and what was seen; a log-prob is never computed against a velocity the replay ca
 **Replay.** Each sample keeps, per trained step, its rows of every recorded argument (`Rollout.extras["replay"]`;
 an argument equal to the latents is not stored but taken from the latents the actor passes; one that is the same
 tensor at every step, e.g. the prompt's embeddings, is stored once per sample), plus the call structure and the
-identified form. `velocity` finds each sample's record by its σ, batches the samples whose calls have the same
+identified form; an argument whose leading channels are the latents (HunyuanVideo-1.5 concatenates condition latents
+and a mask to them) keeps only its other channels, stored once while they are the same from step to step.
+`velocity` finds each sample's record by its σ, batches the samples whose calls have the same
 structure, calls the live denoisers (LoRA weights with gradients) and recombines the outputs with the recorded
 form: the velocity the scheduler received, as a function of the trained weights.
 
-Decoding is the pipeline's own (`output_type="pt"`); a reward that reads latents gets the final latents in the
+**Guidance scale.** `rollout.guidance_scale` goes to the pipeline's `true_cfg_scale` where it takes one, else its
+`guidance_scale`, else — a pipeline with a diffusers guider component (HunyuanVideo-1.5) — to a copy of that guider
+(`guider.new(guidance_scale=s)`) put in for the call; a guider in the original formulation c + s·(c − u) is the
+`cfg` form at scale s + 1.
+
+Decoding is the pipeline's own (`output_type="pt"`; `model.options.decode_batch` splits the VAE's decode into
+chunks of that many samples; four-channel images, RGBA, are composited over white); a reward that reads latents gets the final latents in the
 pipeline's layout (packed for FLUX-like pipelines). The sampled latents are one entry, `latents`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import time
 from contextlib import contextmanager
@@ -69,10 +78,33 @@ def cfg_renorm(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.
 COMBINATIONS = {"cfg": cfg, "cfg_renorm": cfg_renorm}
 
 
+def crop(output: torch.Tensor, part: tuple | None) -> torch.Tensor:
+    """The velocity's positions of a denoiser output: all of it (None), or its first / last L positions along dim 1
+    (("head", L) / ("tail", L)) where the output keeps text or condition tokens (Qwen-Image 2.1 returns the whole
+    joint sequence and the pipeline takes its last L)."""
+    if part is None:
+        return output
+    side, n = part
+    return output[:, :n] if side == "head" else output[:, output.shape[1] - n:]
+
+
+def crops(branches: list[torch.Tensor], velocity: torch.Tensor) -> list[tuple | None]:
+    """The ways to read a velocity-shaped tensor out of every branch: as it is when the shapes agree, else the head
+    or the tail along dim 1 when every branch is at least as long there and agrees on the other dims."""
+    if all(b.shape == velocity.shape for b in branches):
+        return [None]
+    n = velocity.shape[1] if velocity.dim() > 1 else 0
+    if n and all(b.dim() == velocity.dim() and b.shape[0] == velocity.shape[0] and b.shape[2:] == velocity.shape[2:]
+                 and b.shape[1] >= n for b in branches):
+        return [("tail", n), ("head", n)]
+    return []
+
+
 def combine(form: tuple, branches: list[torch.Tensor], guidance: float | None = None) -> torch.Tensor:
-    """The velocity of `form` = (kind, branch order, scale, sign) from the branch outputs, in their dtype.
+    """The velocity of `form` = (kind, branch order, scale, sign[, crop]) from the branch outputs, in their dtype.
     `guidance` 1 on a CFG form gives the conditional branch alone (the actor's guidance-free velocity)."""
-    kind, order, scale, sign = form
+    kind, order, scale, sign, *part = form
+    branches = [crop(b, part[0] if part else None) for b in branches]
     if kind == "identity":
         return sign * branches[order[0]]
     uncond, cond = branches[order[0]], branches[order[1]]
@@ -94,22 +126,33 @@ def candidate_forms(branches: int, scales: list[float]) -> list[tuple]:
 def identify(branches: list[torch.Tensor], velocity: torch.Tensor, scales: list[float]) -> tuple[tuple | None, str]:
     """The first known form that maps `branches` to `velocity` within the dtype's tolerance (relative L2), or
     (None, what was seen)."""
-    if any(b.shape != velocity.shape for b in branches):
+    parts = crops(branches, velocity)
+    if not parts:
         shapes = ", ".join(str(tuple(b.shape)) for b in branches)
         return None, f"denoiser outputs of shape {shapes} per branch vs. a velocity of shape {tuple(velocity.shape)}"
     tol = max(TOLERANCE.get(b.dtype, 1e-2) for b in branches)
     norm = velocity.norm().clamp_min(1e-30)
     best = (float("inf"), None)
-    for form in candidate_forms(len(branches), scales):
+    for form in (f + (part,) for part in parts for f in candidate_forms(len(branches), scales)):
         err = float((combine(form, branches).float() - velocity).norm() / norm)
         if err <= tol:
             return form, ""
         best = min(best, (err, form), key=lambda t: t[0])
     if best[1] is None:
         return None, f"{len(branches)} output branches of B rows (known forms take 1 or 2)"
-    kind, order, s, sign = best[1]
+    kind, order, s, sign, part = best[1]
+    where = f", {part[0]} {part[1]} positions" if part else ""
     return None, (f"{len(branches)} output branch(es); the closest known form, {kind} (order {order}, scale {s:g}, "
-                  f"sign {sign:+g}), is off by {best[0]:.2e} relative (tolerance {tol:g})")
+                  f"sign {sign:+g}{where}), is off by {best[0]:.2e} relative (tolerance {tol:g})")
+
+
+def over_white(images: torch.Tensor) -> torch.Tensor:
+    """RGBA in [0, 1] composited over a white background: rgb·a + (1 − a) (Qwen-Image 2.1's VAE decodes four
+    channels); three-channel images pass through."""
+    if images.dim() == 4 and images.shape[1] == 4:
+        rgb, alpha = images[:, :3], images[:, 3:]
+        return rgb * alpha + (1 - alpha)
+    return images
 
 
 def first_tensor(output) -> torch.Tensor:
@@ -221,6 +264,7 @@ class _Recorder:
         self.b = x.shape[0]
         self.records: list[list[dict]] = [[] for _ in range(self.b)]
         self._slices: dict[int, tuple] = {}  # id(argument) -> (argument, its per-sample rows): shared across steps
+        self._contents: list[tuple] = []  # (a copy of an argument, its per-sample rows): the same values, new tensor
         self.last_step = time.perf_counter()
 
     def recording(self) -> bool:
@@ -279,7 +323,8 @@ class _Recorder:
         calls = tuple((name, self._split(args, n, slots), self._split(kwargs, n, slots))
                       for (name, args, kwargs, _), n in zip(self.calls, rows, strict=True))
         spec = (calls, form)
-        key = _fingerprint(spec)
+        shapes = tuple(tuple(s[0].shape) if isinstance(s[0], torch.Tensor) else None for s in slots)
+        key = _fingerprint(spec) + repr(shapes)  # replayed together: the same structure and per-sample shapes
         sigma = float(self.sigmas[j])
         for i in range(b):
             if self.trained[i, j]:
@@ -293,13 +338,15 @@ class _Recorder:
             if value.dim() == 0 or value.shape[0] != n:
                 return ("const", value.detach().cpu())
             blocks = value.detach().reshape(m, b, *value.shape[1:])
-            if value.is_floating_point() and value.shape[1:] == self.x.shape[1:]:
-                x = self.x.to(value.dtype)
-                if all(torch.equal(blocks[r], x) for r in range(m)):
+            x, c = self.x, self.x.shape[1] if self.x.dim() > 1 else 0
+            if value.is_floating_point() and value.shape[1:] == x.shape[1:]:
+                if all(torch.equal(blocks[r], x.to(value.dtype)) for r in range(m)):
                     return ("latent", value.dtype, m)
-            if id(value) not in self._slices:
-                self._slices[id(value)] = (value, [blocks[:, i].cpu().clone() for i in range(b)])
-            slots.append(self._slices[id(value)][1])
+            if (value.is_floating_point() and value.dim() == x.dim() > 2 and value.shape[2:] == x.shape[2:]
+                    and value.shape[1] > c and all(torch.equal(blocks[r][:, :c], x.to(value.dtype)) for r in range(m))):
+                slots.append(self._rows(value.detach()[:, c:], m))  # the latents, then channels of their own
+                return ("latent_cat", value.dtype, m, len(slots) - 1)
+            slots.append(self._rows(value, m))
             return ("rows", len(slots) - 1, m)
         if isinstance(value, list) and len(value) == n and not any(isinstance(e, torch.Tensor) for e in value):
             slots.append([[value[r * b + i] for r in range(m)] for i in range(b)])
@@ -311,6 +358,25 @@ class _Recorder:
         return ("const", value)
 
 
+    def _rows(self, value: torch.Tensor, m: int) -> list[torch.Tensor]:
+        """Each sample's rows (m, ...) of `value`, on the CPU; the same list as an earlier argument that is the same
+        tensor (the prompt's embeddings at every step) or has the same values (a condition rebuilt every step)."""
+        if id(value) in self._slices:
+            return self._slices[id(value)][1]
+        keep = not value._is_view()  # a view (a slice made for this call) is never passed again
+        for other, rows in self._contents:
+            if other.shape == value.shape and other.dtype == value.dtype and torch.equal(other, value):
+                if keep:
+                    self._slices[id(value)] = (value, rows)
+                return rows
+        blocks = value.detach().reshape(m, self.b, *value.shape[1:])
+        rows = [blocks[:, i].cpu().clone() for i in range(self.b)]
+        if keep:
+            self._slices[id(value)] = (value, rows)
+        self._contents.append((value.detach().clone(), rows))
+        return rows
+
+
 def _build(spec, recs: list[dict], x: torch.Tensor, device: torch.device):
     """A recorded argument structure -> the arguments of one call for the samples of `recs` (rows block-major, as
     the pipeline laid them out: block r holds every sample's r-th row)."""
@@ -319,6 +385,10 @@ def _build(spec, recs: list[dict], x: torch.Tensor, device: torch.device):
         _, dtype, m = spec
         x = x.to(dtype)
         return torch.cat([x] * m) if m > 1 else x
+    if tag == "latent_cat":
+        _, dtype, m, slot = spec
+        return torch.cat([_build(("latent", dtype, m), recs, x, device),
+                          _build(("rows", slot, m), recs, x, device).to(dtype)], dim=1)
     if tag == "rows":
         _, slot, m = spec
         stacked = torch.stack([r["slots"][slot] for r in recs]).to(device)  # (G, m, ...)
@@ -342,8 +412,9 @@ class PipelinePolicy:
 
     family = "diffusers_pipeline"
     # `model.options`: `pipeline` a diffusers pipeline class name ("" = model_index.json's `_class_name`);
-    # `max_sequence_length` passed to the pipeline where it takes one (null: the pipeline's default)
-    options = {"pipeline": "", "max_sequence_length": None}
+    # `max_sequence_length` passed to the pipeline where it takes one (null: the pipeline's default);
+    # `decode_batch` the VAE decodes this many samples at a time (null: the whole batch in one call)
+    options = {"pipeline": "", "max_sequence_length": None, "decode_batch": None}
 
     def __init__(self, cfg, device: torch.device):
         import diffusers
@@ -351,6 +422,9 @@ class PipelinePolicy:
         self.opts = read_options(self.options, dict(getattr(cfg, "options", None) or {}))
         self.root = Path(cfg.path)
         index = load_model_index(self.root)
+        for entry in index.values():  # diffusers loads a component of a non-diffusers module only once imported
+            if isinstance(entry, list) and isinstance(entry[0], str) and entry[0].startswith("polyrl."):
+                importlib.import_module(entry[0])  # ours (models/tiny.py), never a checkpoint's own code
         name = self.opts["pipeline"] or index.get("_class_name", "")
         cls = getattr(diffusers, name, None)
         if cls is None or not hasattr(cls, "from_pretrained"):
@@ -399,10 +473,10 @@ class PipelinePolicy:
             if "num_frames" not in self.params:
                 raise UserError(f"rollout.num_frames={shape.frames}: {self.name} makes no video (no `num_frames`)")
             kw["num_frames"] = shape.frames
-        scale_key = "true_cfg_scale" if "true_cfg_scale" in self.params else "guidance_scale"
-        if scale_key in self.params:
+        scale_key = next((k for k in ("true_cfg_scale", "guidance_scale") if k in self.params), None)
+        if scale_key is not None:
             kw[scale_key] = guidance.scale
-        elif guidance.scale != 1.0:
+        elif self._guider() is None and guidance.scale != 1.0:
             raise UserError(f"rollout.guidance_scale={guidance.scale}: {self.name} takes no guidance scale")
         if guidance.scale != 1.0 and "negative_prompt" in self.params:
             kw["negative_prompt"] = [guidance.negative_prompt] * len(texts)
@@ -416,14 +490,51 @@ class PipelinePolicy:
             kw["generator"] = torch.Generator(self.device).manual_seed(0)
         return kw
 
+    def _guider(self):
+        """The pipeline's diffusers guider (a `guider` component with a `guidance_scale`) where its `__call__` takes
+        no scale of its own (HunyuanVideo-1.5), else None."""
+        guider = getattr(self.pipe, "guider", None)
+        if any(k in self.params for k in ("true_cfg_scale", "guidance_scale")) or not hasattr(guider, "new"):
+            return None
+        return guider if hasattr(guider, "guidance_scale") else None
+
+    def _scales(self, scale: float) -> list[float]:
+        """The guidance scales a CFG form may carry: s, and s + 1 for a guider in the original formulation
+        c + s·(c − u) = u + (s + 1)·(c − u)."""
+        guider = self._guider()
+        original = guider is not None and bool(getattr(guider, "use_original_formulation", False))
+        return [scale, scale + 1.0] if original else [scale]
+
+    def _chunked_decode(self, decode, n: int):
+        """`decode` (the VAE's) run on chunks of `n` samples, its outputs concatenated."""
+        def run(z, *args, return_dict: bool = True, **kwargs):
+            out = torch.cat([first_tensor(decode(z[i:i + n], *args, return_dict=False, **kwargs))
+                             for i in range(0, z.shape[0], n)])
+            if return_dict:
+                from diffusers.models.autoencoders.vae import DecoderOutput
+
+                return DecoderOutput(sample=out)
+            return (out,)
+        return run
+
     @contextmanager
-    def _running(self, stepper: _Stepper, recorder: _Recorder | None = None):
+    def _running(self, stepper: _Stepper, recorder: _Recorder | None = None, scale: float = 1.0):
         """The pipeline with `stepper` as its scheduler, the live networks (the actor may swap one for a policy's)
-        as its denoisers and, with a recorder, the recording hooks on them."""
+        as its denoisers, a guider at `scale` where the pipeline has one, the VAE decoding `decode_batch` samples at
+        a time where set and, with a recorder, the recording hooks on them."""
         pipe, names = self.pipe, ["scheduler", *self.networks]
+        guider = self._guider()
+        if guider is not None:
+            names.append("guider")
         saved = {n: pipe.__dict__[n] for n in names}
         pipe.__dict__["scheduler"] = stepper  # not setattr: that would rewrite the pipeline's config
         pipe.__dict__.update(self.networks)
+        if guider is not None:
+            pipe.__dict__["guider"] = guider.new(guidance_scale=scale)
+        vae = getattr(pipe, "vae", None)
+        chunk = self.opts["decode_batch"]
+        if chunk is not None and hasattr(vae, "decode"):
+            vae.decode = self._chunked_decode(type(vae).decode.__get__(vae), int(chunk))
         handles = []
         if recorder is not None:
             for name, network in self.networks.items():
@@ -435,6 +546,8 @@ class PipelinePolicy:
             for h in handles:
                 h.remove()
             pipe.__dict__.update(saved)
+            if "decode" in getattr(vae, "__dict__", {}):
+                del vae.decode
 
     def _probe(self, shape: MediaShape, num_steps: int) -> tuple[torch.Tensor, tuple[int, ...]]:
         """(σ grid, per-sample latent shape) of the pipeline at this shape: one call stopped at its first step."""
@@ -476,11 +589,12 @@ class PipelinePolicy:
         `sample_pipeline`); returns (decoded media or None, each sample's records, decode seconds)."""
         texts = text_only(prompts, self.family)
         sigmas = self.sigmas(plan.num_steps, plan.shape)
-        recorder = _Recorder(self.name, initial["latents"], step, trained, sigmas, [float(plan.guidance.scale)])
+        recorder = _Recorder(self.name, initial["latents"], step, trained, sigmas,
+                             self._scales(float(plan.guidance.scale)))
         stepper = _Stepper(self.pipe.scheduler, recorder.on_step)
         kwargs = self._call_kwargs(texts, plan.shape, plan.num_steps, plan.guidance,
                                    initial["latents"].to(self.dtype), "pt" if decode else "latent")
-        with self._running(stepper, recorder):
+        with self._running(stepper, recorder, float(plan.guidance.scale)):
             out = self.pipe(**kwargs)
         decode_s = time.perf_counter() - recorder.last_step
         if recorder.j != plan.num_steps:
@@ -495,7 +609,8 @@ class PipelinePolicy:
             if not isinstance(result, torch.Tensor):
                 raise UserError(f"model=diffusers_pipeline: {self.name} returned {type(result).__name__} for "
                                 "output_type='pt'")
-            media = {"video" if result.dim() == 5 else "images": result.float().clamp(0, 1)}
+            result = over_white(result.float().clamp(0, 1))
+            media = {"video" if result.dim() == 5 else "images": result}
         return media, recorder.records, decode_s
 
     # ------------------------------------------------------------------------------------------- replay

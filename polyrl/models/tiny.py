@@ -13,7 +13,15 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
-from transformers import CLIPTextConfig, CLIPTextModelWithProjection, PreTrainedTokenizerFast, T5Config, T5EncoderModel
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModelWithProjection,
+    PreTrainedTokenizerFast,
+    Qwen3VLProcessor,
+    T5Config,
+    T5EncoderModel,
+)
+from transformers.processing_utils import ProcessorMixin
 
 SPECIAL = ["<pad>", "<unk>", "<bos>", "<eos>"]
 
@@ -782,3 +790,102 @@ def save_tiny_flux2(spec: TinyFlux2Spec, path: str | Path, seed: int = 0) -> Pat
         index["tokenizer"] = ["transformers", "PixtralProcessor"]
         (path / "model_index.json").write_text(json.dumps(index, indent=2))
     return path
+
+
+# ----------------------------------------------------------------------------------------------- HunyuanVideo-1.5
+def save_tiny_hunyuan_video15(words: list[str], path: str | Path, seed: int = 0) -> Path:
+    """A random-weight `HunyuanVideo15Pipeline` (text-to-video) of the published component classes at tiny sizes,
+    saved with `save_pretrained`: a two-layer Qwen2.5-VL text model (the pipeline reads the third-last hidden state)
+    with a word-level tokenizer whose chat rendering of the pipeline's system message is 108 tokens, as the Qwen2
+    tokenizer's (the pipeline crops those 108 off), ByT5's tokenizer with a one-layer T5 encoder (quoted glyph text),
+    the transformer (t2v), the VAE at 4× spatial / 2× temporal compression, Euler with shift 7 and a CFG guider."""
+    import inspect
+
+    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
+    from diffusers.guiders import ClassifierFreeGuidance
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    system = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default
+    tokenizer = _word_level_tokenizer(words, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"],
+                                      r"\w+|[^\w\s]+|\n| {4}", system + " system user assistant", 1108)
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    torch.manual_seed(seed)
+    text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=1200, pad_token_id=tokenizer.pad_token_id, rope_theta=1e6,
+        rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"})).eval()
+    byt5 = T5EncoderModel(T5Config(vocab_size=384, d_model=32, d_kv=16, d_ff=32, num_layers=1, num_heads=2)).eval()
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1, num_refiner_layers=1,
+        mlp_ratio=2.0, text_embed_dim=16, text_embed_2_dim=32, image_embed_dim=12, rope_axes_dim=(2, 2, 4),
+        target_size=16, task_type="t2v")
+    vae = AutoencoderKLHunyuanVideo15(
+        latent_channels=4, block_out_channels=(16, 16), layers_per_block=1, spatial_compression_ratio=4,
+        temporal_compression_ratio=2, downsample_match_channel=False, upsample_match_channel=False)
+    HunyuanVideo15Pipeline(
+        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae.eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=byt5, tokenizer_2=ByT5Tokenizer(),
+        guider=ClassifierFreeGuidance(guidance_scale=1.0)).save_pretrained(str(path))
+    return Path(path)
+
+
+# ----------------------------------------------------------------------------------------------- Qwen-Image 2.1
+# Qwen's chat rendering for messages whose content is a string or a list of text parts (the Qwen3-VL processor's
+# system message is a list).
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for c in m.content %}{{ c.text }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class TextQwen3VLProcessor(Qwen3VLProcessor):
+    """transformers' `Qwen3VLProcessor` without its video processor, which cannot be built without torchvision
+    (text-to-image never uses it). A tiny Qwen-Image 2.1 checkpoint's model_index.json names it (module
+    `polyrl.models.tiny`, which `model=diffusers_pipeline` imports before loading; diffusers finds its load method
+    through `ProcessorMixin`, imported here)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        for name in ("image_pad", "video_pad", "vision_start", "vision_end"):
+            attr = name.replace("_pad", "")
+            setattr(self, f"{attr}_token", f"<|{name}|>")
+            setattr(self, f"{attr}_token_id", tokenizer.convert_tokens_to_ids(f"<|{name}|>"))
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+
+def save_tiny_qwen_image21(words: list[str], path: str | Path, seed: int = 0) -> Path:
+    """A random-weight `QwenImage21Pipeline` (text-to-image) at tiny sizes, saved with `save_pretrained`: a one-layer
+    Qwen3-VL text encoder (with its vision tower, unused by text-to-image) and a word-level tokenizer in
+    `TextQwen3VLProcessor`, the transformer on unpatched 8-channel latents, the VAE at the 16× compression the
+    pipeline assumes (decoding RGBA), Euler with the default dynamic shift."""
+    from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21Transformer2DModel
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    tokenizer = _word_level_tokenizer(
+        words, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", *QWEN_VL_SPECIALS], r"\w+|[^\w\s]+|\n",
+        "Comprehend and analyze the provided prompt. system user assistant", 256)
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    ids = {f"{n}_token_id": tokenizer.convert_tokens_to_ids(f"<|{t}|>") for n, t in (
+        ("image", "image_pad"), ("video", "video_pad"), ("vision_start", "vision_start"), ("vision_end", "vision_end"))}
+    torch.manual_seed(seed)
+    z = 8
+    text_encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=8, pad_token_id=tokenizer.pad_token_id,
+                         rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[1, 1, 2])),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0]), **ids)).eval()
+    transformer = QwenImage21Transformer2DModel(
+        patch_size=1, in_channels=z, out_channels=z, num_layers=1, attention_head_dim=16, num_attention_heads=2,
+        context_in_dim=16, mlp_ratio=2, axes_dims_rope=(4, 6, 6))
+    vae = AutoencoderKLQwenImage21(
+        base_dim=4, decoder_base_dim=4, z_dim=z, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1, attn_scales=[],
+        temperal_downsample=[False, True, True, True], latents_mean=[0.0] * z, latents_std=[1.0] * z)
+    processor = TextQwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                                 min_pixels=32 * 32, max_pixels=64 * 64),
+        tokenizer=tokenizer, chat_template=QWEN_VL_CHAT_TEMPLATE)
+    QwenImage21Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae.eval(), text_encoder=text_encoder,
+                        processor=processor, transformer=transformer).save_pretrained(str(path))
+    return Path(path)
