@@ -25,7 +25,14 @@ from polyrl.errors import UserError
 from polyrl.latents import MediaShape
 from polyrl.models import build_model
 from polyrl.models.base import Guidance
-from polyrl.models.diffusers_pipeline import cfg_renorm, combine, identify, over_white, recorded_bytes
+from polyrl.models.diffusers_pipeline import (
+    cfg_renorm,
+    combine,
+    identify,
+    over_white,
+    recorded_bytes,
+    replay_bytes,
+)
 from polyrl.sampling import diffusion
 from polyrl.sampling.diffusion import RolloutNoise, SamplingPlan, draw_noise, rollout
 
@@ -162,11 +169,12 @@ def test_sd3_generic_equals_the_dedicated_adapter_and_replays_exactly(tiny_sd3_d
         a, b = gen_actor.step(batch, k).log_prob, ded_actor.step(ref, k).log_prob
         assert (a - b).abs().max() < 1e-5 * b.abs().max()
     _check_live(gen_actor, batch)
-    # memory: the latents are not stored (taken from the batch), the prompt's embeddings once per sample
-    per_sample = recorded_bytes(batch.extras["replay"][:1])
-    embeds = 16 + 16  # CLIP + T5 tokens (max_sequence_length 16) of joint width 64, float32, per CFG row
+    # memory, measured = computed from the shapes: the latents are not stored (taken from the batch), the prompt's
+    # embeddings (CLIP + T5 tokens, max_sequence_length 16, joint width 64) and pooled projection (64) once per
+    # sample, the timestep once per recorded step; float32, one row per CFG branch
     rows = 1 if scale == 1.0 else 2
-    assert per_sample < rows * (embeds * 64 + 64 + 8) * 4 + 64
+    expected = replay_bytes([(rows, (16 + 16, 64), 4), (rows, (64,), 4)], [(rows, (), 4)], window=2)
+    assert recorded_bytes(batch.extras["replay"][:1]) == expected
 
 
 # ------------------------------------------------------------------------------------------------ Wan
@@ -362,6 +370,13 @@ def test_other_pipelines_replay_exactly(family, tmp_path, monkeypatch):
     assert {rec["spec"][1][:2] for steps in batch.extras["replay"] for rec in steps} == {form}
     if family == "hunyuan_video15":  # its input is [latents, condition latents, mask]: only the latter two stored
         assert "latent_cat" in repr(batch.extras["replay"][0][0]["spec"][0])
+        # per sample, float32: per CFG branch the Qwen2.5-VL tokens (1000 × 16) and mask; once the ByT5 tokens
+        # (256 × 32) and mask (zeros in both branches when the prompt quotes no text: equal values, stored once), the
+        # 729 zero image-slot tokens (× 12) and the condition latents + mask (5 channels × 3 × 4 × 4, the same values
+        # at every step); per recorded step the timestep (one tensor for both calls)
+        once = [(2, (1000, 16), 4), (2, (1000,), 4), (1, (256, 32), 4), (1, (256,), 4), (1, (729, 12), 4),
+                (1, (5, 3, 4, 4), 4)]
+        assert recorded_bytes(batch.extras["replay"][:1]) == replay_bytes(once, [(1, (), 4)], window=1)
     if shape.is_video:
         assert batch.media["video"].shape == (2, shape.frames, 3, shape.height, shape.width)
     else:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -188,6 +189,17 @@ def recorded_bytes(records: list) -> int:
                     seen.add(id(slot))
                     total += slot.numel() * slot.element_size()
     return total
+
+
+def replay_bytes(once: list[tuple[int, tuple[int, ...], int]], per_step: list[tuple[int, tuple[int, ...], int]],
+                 window: int) -> int:
+    """Bytes one sample's replay record holds, from shapes (docs/image_models.md "What it stores"): each argument
+    that is the same tensor, or the same values, at every step (the prompt's embeddings) once, each that changes from
+    step to step (the timestep) once per recorded (window) step; an entry is (rows per sample — the CFG branches the
+    call carries —, shape of one row, bytes per element). The latents themselves are never stored."""
+    def size(entries):
+        return sum(rows * math.prod(shape) * itemsize for rows, shape, itemsize in entries)
+    return size(once) + window * size(per_step)
 
 
 # ----------------------------------------------------------------------------------------------- recording
