@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..batch import Rollout, TokenBatch
+from ..media import Audio
 from ..models.base import Prompt, TokenPolicy, token_media
 from .base import SAMPLERS, step_generator
 from .diffusion import MediaChunk
@@ -215,8 +216,13 @@ def chunk_media(adapter: TokenPolicy, tokens: TokenBatch) -> dict:
 
 
 def _cat_chunks(parts: list[dict]) -> dict:
-    return {k: ([x for p in parts for x in p[k]] if isinstance(parts[0][k], list) else torch.cat([p[k] for p in parts]))
-            for k in parts[0]}
+    """The chunks' media in order: lists (texts) joined, `Audio` (model=qwen3_tts's speech) and tensors concatenated."""
+    def cat(values: list):
+        if isinstance(values[0], list):
+            return [x for v in values for x in v]
+        return Audio.cat(values) if isinstance(values[0], Audio) else torch.cat(values)
+
+    return {k: cat([p[k] for p in parts]) for k in parts[0]}
 
 
 def token_rollout(adapter: TokenPolicy, prompts: list[Prompt], metadata: list[dict], group_ids: torch.Tensor,
