@@ -10,8 +10,8 @@
 # installed here.
 #
 #   bash scripts/ci_qwen_tts.sh           # builds ${TMPDIR:-/tmp}/polyrl-qwen-tts-env (reused while this script,
-#                                         # pyproject.toml and the main environment's path are unchanged), then runs
-#                                         # tests/test_qwen3_tts.py
+#                                         # pyproject.toml, the main environment and this checkout's path are
+#                                         # unchanged: polyrl is installed from it), then runs tests/test_qwen3_tts.py
 #   POLYRL_QWEN_TTS_ENV=/path PYTHON=/path/to/main/python bash scripts/ci_qwen_tts.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ ENV_DIR="${POLYRL_QWEN_TTS_ENV:-${TMPDIR:-/tmp}/polyrl-qwen-tts-env}"
 PY="$ENV_DIR/bin/python"
 STAMP="$ENV_DIR/.polyrl-qwen-tts-ready"
 BASE_SITE="$("$BASE_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-WANT="$( (cat "$0" pyproject.toml; echo "$BASE_SITE") | sha256sum | cut -c1-16)"
+WANT="$( (cat "$0" pyproject.toml; echo "$BASE_SITE $PWD") | sha256sum | cut -c1-16)"
 start=$SECONDS
 
 if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]]; then
@@ -45,5 +45,5 @@ EOC
 fi
 echo "ci_qwen_tts: environment ready after $((SECONDS - start)) s"
 # POLYRL_REQUIRE_QWEN_TTS: here a qwen-tts that does not import fails the test file instead of skipping its cases
-POLYRL_REQUIRE_QWEN_TTS=1 OMP_NUM_THREADS=1 "$PY" -m pytest -q tests/test_qwen3_tts.py
+PYTHONPATH="$PWD" POLYRL_REQUIRE_QWEN_TTS=1 OMP_NUM_THREADS=1 "$PY" -m pytest -q tests/test_qwen3_tts.py
 echo "ci_qwen_tts: done in $((SECONDS - start)) s"
