@@ -26,6 +26,7 @@ from polyrl.latents import MediaShape
 from polyrl.models import build_model
 from polyrl.models.base import Guidance
 from polyrl.models.diffusers_pipeline import (
+    _Recorder,
     cfg_renorm,
     combine,
     identify,
@@ -233,6 +234,22 @@ def test_an_unknown_guidance_rescale_is_refused(tiny_sd3_dir, monkeypatch):
     with pytest.raises(UserError, match=r"RescaledSD3Pipeline combines its denoiser outputs in no known form at "
                                         r"step 0: 1 call\(s\) of \[4\] rows, 2 output branch\(es\); the closest"):
         rollout(gen, PROMPTS, [{}] * 2, torch.arange(2), plan, noise)
+
+
+def test_samples_of_one_prompt_share_their_recorded_rows(tiny_sd3_dir):
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(2, 3, 4, generator=g)  # (CFG blocks, samples, ...): samples 0 and 2 equal
+    rows[:, 2] = rows[:, 0]
+    kept = _Recorder._unique_rows(rows)
+    assert kept[0] is kept[2] and kept[1] is not kept[0] and all(torch.equal(kept[i], rows[:, i]) for i in range(3))
+    # a rollout of one prompt twice holds one copy of the conditioning and of each timestep
+    gen = _generic(tiny_sd3_dir)
+    plan = _plan(MediaShape(32, 32), 4.5)
+    noise = draw_noise(gen.latent_shapes(plan.shape), plan, torch.arange(2), torch.Generator().manual_seed(3))
+    batch = rollout(gen, [PROMPTS[0]] * 2, [{}] * 2, torch.arange(2), plan, noise)
+    one = recorded_bytes(batch.extras["replay"][:1])
+    assert one == replay_bytes([(2, (16 + 16, 64), 4), (2, (64,), 4)], [(2, (), 4)], window=2)
+    assert recorded_bytes(batch.extras["replay"]) == one
 
 
 def test_a_velocity_outside_the_recorded_steps_is_refused(tiny_sd3_dir):

@@ -370,6 +370,21 @@ class _Recorder:
         return ("const", value)
 
 
+    @staticmethod
+    def _unique_rows(blocks: torch.Tensor) -> list[torch.Tensor]:
+        """Each sample's rows `blocks[:, i]` on the CPU, samples with equal rows (the samples of one prompt, a
+        timestep) sharing one copy."""
+        rows: list[torch.Tensor] = []
+        firsts: list[int] = []  # the first sample of each distinct value
+        for i in range(blocks.shape[1]):
+            same = next((j for j in firsts if torch.equal(blocks[:, j], blocks[:, i])), None)
+            if same is None:
+                firsts.append(i)
+                rows.append(blocks[:, i].cpu().clone())
+            else:
+                rows.append(rows[same])
+        return rows
+
     def _rows(self, value: torch.Tensor, m: int) -> list[torch.Tensor]:
         """Each sample's rows (m, ...) of `value`, on the CPU; the same list as an earlier argument that is the same
         tensor (the prompt's embeddings at every step) or has the same values (a condition rebuilt every step)."""
@@ -381,8 +396,7 @@ class _Recorder:
                 if keep:
                     self._slices[id(value)] = (value, rows)
                 return rows
-        blocks = value.detach().reshape(m, self.b, *value.shape[1:])
-        rows = [blocks[:, i].cpu().clone() for i in range(self.b)]
+        rows = self._unique_rows(value.detach().reshape(m, self.b, *value.shape[1:]))
         if keep:
             self._slices[id(value)] = (value, rows)
         self._contents.append((value.detach().clone(), rows))
