@@ -21,7 +21,7 @@ import torch
 from ..batch import Rollout
 from ..latents import Latents, for_entry, sample_mean
 from .base import AlgorithmBase, PolicyEvaluator, register_algorithm
-from .forward_process import check_time_range, noise_to, train_sigma
+from .forward_process import check_clip_range, check_time_range, fresh_noise, noise_to, term_time
 
 WEIGHTINGS = ("Uniform", "t", "t**2", "huber", "ghuber")
 
@@ -75,17 +75,13 @@ class AWM(AlgorithmBase):
                  timestep_range: tuple = (0.0, 0.9), time_sampling: str = "discrete", adv_std: str = "global",
                  adv_clip_max: float = 5.0):
         self.lo, self.hi = check_time_range(timestep_range, num_timesteps, time_sampling)
-        clip = list(clip_range)
-        if len(clip) != 2 or not float(clip[0]) <= 0 <= float(clip[1]):
-            raise ValueError(f"algorithm.clip_range={clip_range} must be [low, high] with low <= 0 <= high "
-                             "(the ratio is clipped to [1 + low, 1 + high])")
+        self.clip_low, self.clip_high = check_clip_range(clip_range)
         if weighting not in WEIGHTINGS:
             raise ValueError(f"algorithm.weighting={weighting!r}; allowed: {', '.join(WEIGHTINGS)}")
         if ghuber_power <= 0:
             raise ValueError(f"algorithm.ghuber_power={ghuber_power} must be > 0")
         if kl_beta < 0:
             raise ValueError(f"algorithm.kl_beta={kl_beta} must be >= 0")
-        self.clip_low, self.clip_high = float(clip[0]), float(clip[1])
         self.weighting, self.ghuber_power, self.kl_beta = weighting, ghuber_power, kl_beta
         self.num_timesteps, self.time_sampling = int(num_timesteps), time_sampling
         self.adv_std, self.adv_clip_max = adv_std, adv_clip_max
@@ -97,11 +93,8 @@ class AWM(AlgorithmBase):
 
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
         x0 = batch.final
-        device = next(iter(x0.values())).device
-        sigma = train_sigma(self.time_sampling, policy.sigma_grid(), self.lo, self.hi, k, self.num_timesteps,
-                            policy.generator)
-        t = torch.full((len(batch),), sigma, device=device)
-        eps = {n: torch.randn(v.shape, generator=policy.generator) for n, v in x0.items()}
+        t = term_time(self.time_sampling, self.lo, self.hi, k, self.num_timesteps, policy, batch)
+        eps = fresh_noise(x0, policy.generator)
         t_entry = policy.stream_sigmas(t)
         x_t, target = noise_to(x0, eps, t_entry)
         v = policy.velocity(batch, x_t, t)

@@ -21,7 +21,7 @@ import torch
 from ..batch import Rollout
 from ..latents import Latents, sample_mean
 from .base import AlgorithmBase, PolicyEvaluator, register_algorithm, weighted_mean
-from .forward_process import check_time_range, noise_to, train_sigma
+from .forward_process import check_clip_range, check_time_range, fresh_noise, noise_to, term_time
 
 
 def dsm_error(v: Latents, target: Latents) -> torch.Tensor:
@@ -86,10 +86,7 @@ class DGPO(AlgorithmBase):
                  ema_ramp_rate: float = 0.001, ema_max_decay: float = 0.3, adv_std: str = "global",
                  adv_clip_max: float = 5.0):
         self.lo, self.hi = check_time_range(timestep_range, num_timesteps, time_sampling)
-        clip = list(clip_range)
-        if len(clip) != 2 or not float(clip[0]) <= 0 <= float(clip[1]):
-            raise ValueError(f"algorithm.clip_range={clip_range} must be [low, high] with low <= 0 <= high "
-                             "(the DSM ratio is clipped to [1 + low, 1 + high])")
+        self.clip_low, self.clip_high = check_clip_range(clip_range, "the DSM ratio")
         if beta <= 0:
             raise ValueError(f"algorithm.beta={beta} must be > 0")
         if kl_beta < 0:
@@ -97,7 +94,7 @@ class DGPO(AlgorithmBase):
         if not (0 <= ema_max_decay < 1 and ema_ramp_rate >= 0):
             raise ValueError(f"algorithm.ema_max_decay={ema_max_decay} must be in [0, 1) and algorithm.ema_ramp_rate="
                              f"{ema_ramp_rate} >= 0")
-        self.beta, self.clip_low, self.clip_high = beta, float(clip[0]), float(clip[1])
+        self.beta = beta
         self.clip_dsm, self.clip_kl, self.use_ema_ref, self.shared_noise = clip_dsm, clip_kl, use_ema_ref, shared_noise
         self.kl_beta, self.num_timesteps, self.time_sampling = kl_beta, int(num_timesteps), time_sampling
         self.ema_ramp_rate, self.ema_max_decay = ema_ramp_rate, ema_max_decay
@@ -119,17 +116,13 @@ class DGPO(AlgorithmBase):
 
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
         x0 = batch.final
-        device = next(iter(x0.values())).device
-        b = len(batch)
-        sigma = train_sigma(self.time_sampling, policy.sigma_grid(), self.lo, self.hi, k, self.num_timesteps,
-                            policy.generator)
-        t = torch.full((b,), sigma, device=device)
+        t = term_time(self.time_sampling, self.lo, self.hi, k, self.num_timesteps, policy, batch)
         if self.shared_noise:  # one ε per group for every term of this micro-batch (Flow-Factory: timestep-invariant)
             if k == 0 or "dgpo_noise" not in batch.extras:
                 batch.extras["dgpo_noise"] = group_noise(x0, batch.group_ids, policy.generator)
             eps = batch.extras["dgpo_noise"]
         else:
-            eps = {n: torch.randn(v.shape, generator=policy.generator) for n, v in x0.items()}
+            eps = fresh_noise(x0, policy.generator)
         x_t, target = noise_to(x0, eps, policy.stream_sigmas(t))
         v = policy.velocity(batch, x_t, t, guidance=1.0)
         err = dsm_error(v, target)

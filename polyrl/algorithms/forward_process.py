@@ -45,6 +45,18 @@ def train_sigma(strategy: str, grid: torch.Tensor, lo: float, hi: float, k: int,
     raise ValueError(f"algorithm.time_sampling={strategy!r}; allowed: {', '.join(TIME_SAMPLINGS)}")
 
 
+def term_time(strategy: str, lo: float, hi: float, k: int, terms: int, policy, batch) -> torch.Tensor:
+    """t (B,) of loss term k: `train_sigma` on the policy's sampling grid with the update's generator, one σ for
+    every sample of `batch`, on the device of its clean latents."""
+    sigma = train_sigma(strategy, policy.sigma_grid(), lo, hi, k, terms, policy.generator)
+    return torch.full((len(batch),), sigma, device=next(iter(batch.final.values())).device)
+
+
+def fresh_noise(x0: Latents, generator: torch.Generator) -> Latents:
+    """ε ~ N(0, I) per sample and entry, drawn on the CPU from the update's generator in entry order."""
+    return {n: torch.randn(v.shape, generator=generator) for n, v in x0.items()}
+
+
 def noise_to(x0: Latents, eps: Latents, sigma) -> tuple[Latents, Latents]:
     """(x_σ = (1−σ)·x0 + σ·ε, target ε − x0) per entry; `sigma` is (B,) or one (B,) per entry (stream_sigmas)."""
     x_t, target = {}, {}
@@ -66,3 +78,12 @@ def check_time_range(timestep_range, num_timesteps: int, time_sampling: str) -> 
     if time_sampling not in TIME_SAMPLINGS:
         raise ValueError(f"algorithm.time_sampling={time_sampling!r}; allowed: {', '.join(TIME_SAMPLINGS)}")
     return float(rng[0]), float(rng[1])
+
+
+def check_clip_range(clip_range, ratio: str = "the ratio") -> tuple[float, float]:
+    """The validated [low, high] (low ≤ 0 ≤ high) of a ratio clipped to [1 + low, 1 + high]; a one-line error."""
+    clip = list(clip_range)
+    if len(clip) != 2 or not float(clip[0]) <= 0 <= float(clip[1]):
+        raise ValueError(f"algorithm.clip_range={clip_range} must be [low, high] with low <= 0 <= high "
+                         f"({ratio} is clipped to [1 + low, 1 + high])")
+    return float(clip[0]), float(clip[1])
