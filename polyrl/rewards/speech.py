@@ -61,11 +61,38 @@ def mono_at(audio: Audio, rate: int) -> list[np.ndarray]:
     return [resample(w, audio.sample_rate, rate).astype(np.float32) for w in wave]
 
 
+class _LocalSpeechModel:
+    """What both scorers share: a transformers model loaded from a local directory (`auto_class`), and a batch's
+    per-sample string column checked before scoring."""
+
+    name = ""
+    media = ("audio",)
+
+    def _load(self, auto_class, path: str, device: str, dtype: str):
+        path = local_dir(path, f"{self.name} model path")
+        self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
+        self.model = auto_class.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        return path
+
+    def _column(self, audio, prompts, metadata, key: str, what: str) -> list[str]:
+        """`metadata[i][key]` of each sample of an `Audio` batch; ValueError naming the sample and the key."""
+        if not isinstance(audio, Audio):
+            raise ValueError(f"{self.name} scores audio, got {type(audio).__name__}")
+        metadata = check_batch(self.name, len(audio), prompts, metadata)
+        values = []
+        for i, meta in enumerate(metadata):
+            value = meta.get(key)
+            if not isinstance(value, str):
+                raise ValueError(f"{self.name}: sample {i} has no {what} in metadata {key!r}")
+            values.append(value)
+        return values
+
+
 @register_reward("asr_wer")
-class AsrWer:
+class AsrWer(_LocalSpeechModel):
     """1 − WER (or 1 − CER) of a local ASR model's transcript against the data's text (module docstring)."""
 
-    media = ("audio",)
+    name = "asr_wer"
 
     def __init__(self, path: str, metric: str = "wer", text_key: str = "text", normalize: bool = True,
                  language: str | None = None, max_new_tokens: int = 128, device: str = "auto",
@@ -74,11 +101,9 @@ class AsrWer:
 
         if metric not in METRICS:
             raise ValueError(f"asr_wer: metric={metric!r} is not valid; allowed: {', '.join(METRICS)}")
-        path = local_dir(path, "asr_wer model path")
+        path = self._load(AutoModelForSpeechSeq2Seq, path, device, dtype)
         self.metric, self.text_key, self.normalize = metric, text_key, bool(normalize)
         self.language, self.max_new_tokens = language, int(max_new_tokens)
-        self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
-        self.model = AutoModelForSpeechSeq2Seq.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
         self.processor = AutoProcessor.from_pretrained(path)
         self.rate = int(self.processor.feature_extractor.sampling_rate)
         self.last_transcripts: list[str] = []
@@ -99,15 +124,7 @@ class AsrWer:
         return self.processor.batch_decode(out, skip_special_tokens=True)
 
     def __call__(self, audio, prompts, metadata=None) -> RewardOutput:
-        if not isinstance(audio, Audio):
-            raise ValueError(f"asr_wer scores audio, got {type(audio).__name__}")
-        metadata = check_batch("asr_wer", len(audio), prompts, metadata)
-        refs = []
-        for i, meta in enumerate(metadata):
-            text = meta.get(self.text_key)
-            if not isinstance(text, str):
-                raise ValueError(f"asr_wer: sample {i} has no reference text in metadata {self.text_key!r}")
-            refs.append(text)
+        refs = self._column(audio, prompts, metadata, self.text_key, "reference text")
         self.last_transcripts = self.transcribe(audio)
         norm = normalize_transcript if self.normalize else (lambda s: s)
         rates = [error_rate(norm(h), norm(r), self.metric) for h, r in zip(self.last_transcripts, refs, strict=True)]
@@ -116,19 +133,17 @@ class AsrWer:
 
 
 @register_reward("speaker_similarity")
-class SpeakerSimilarity:
+class SpeakerSimilarity(_LocalSpeechModel):
     """cos(x-vector of the generated clip, x-vector of the row's reference clip) (module docstring)."""
 
-    media = ("audio",)
+    name = "speaker_similarity"
 
     def __init__(self, path: str, reference_key: str = "reference_audio", device: str = "auto",
                  dtype: str = "float32"):
         from transformers import AutoFeatureExtractor, AutoModelForAudioXVector
 
-        path = local_dir(path, "speaker_similarity model path")
+        path = self._load(AutoModelForAudioXVector, path, device, dtype)
         self.reference_key = reference_key
-        self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
-        self.model = AutoModelForAudioXVector.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
         self.extractor = AutoFeatureExtractor.from_pretrained(path)
         self.rate = int(self.extractor.sampling_rate)
         self._references: dict[str, torch.Tensor] = {}
@@ -163,16 +178,8 @@ class SpeakerSimilarity:
         return self._references[path]
 
     def __call__(self, audio, prompts, metadata=None) -> RewardOutput:
-        if not isinstance(audio, Audio):
-            raise ValueError(f"speaker_similarity scores audio, got {type(audio).__name__}")
-        metadata = check_batch("speaker_similarity", len(audio), prompts, metadata)
-        refs = []
-        for i, meta in enumerate(metadata):
-            path = meta.get(self.reference_key)
-            if not isinstance(path, str):
-                raise ValueError(f"speaker_similarity: sample {i} has no reference clip path in metadata "
-                                 f"{self.reference_key!r}")
-            refs.append(self.reference(path))
+        paths = self._column(audio, prompts, metadata, self.reference_key, "reference clip path")
+        refs = [self.reference(path) for path in paths]
         gen = self.embed(mono_at(audio, self.rate))
         cos = torch.nn.functional.cosine_similarity(gen.double(), torch.stack(refs).double(), dim=-1)
         return RewardOutput(cos.float())
