@@ -26,7 +26,7 @@ import json
 import re
 from pathlib import Path
 
-from .prompts import _text_lines, load_prompts
+from .prompts import _text_lines, jsonl_rows, load_prompts, prompt_lines
 
 BENCHMARK_FORMATS = ("polyrl", "geneval", "drawbench", "parti", "t2i_compbench", "ocr", "pickscore", "vbench")
 
@@ -43,11 +43,6 @@ _VBENCH_FILES = VBENCH_DIMENSIONS + ("all_dimension", "overall")
 GENEVAL_TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 GENEVAL_POSITIONS = ("left of", "right of", "above", "below")
 _QUOTED = re.compile(r'"([^"]*)"')
-
-
-def _prompt_lines(path: Path) -> list[tuple[int, str]]:
-    """(line number, prompt) of a one-prompt-a-line file; blank lines skipped."""
-    return [(n, line.strip()) for n, line in enumerate(_text_lines(path), 1) if line.strip()]
 
 
 def _compbench_category(path: Path) -> str | None:
@@ -141,16 +136,7 @@ def _check_clause(clause, where: str, what: str, n_before: int) -> None:
 def read_geneval(path: Path) -> list[dict]:
     """GenEval's evaluation_metadata.jsonl (module docstring): rows keep `tag`, `include`, `exclude`."""
     rows = []
-    for n, line in enumerate(_text_lines(path), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise ValueError(f"{where}: each GenEval row needs a non-empty string 'prompt'")
+    for where, row in jsonl_rows(path, "GenEval"):
         if not isinstance(row.get("tag"), str) or not row["tag"]:
             raise ValueError(f"{where}: no 'tag' (GenEval's tags: {', '.join(GENEVAL_TAGS)})")
         include, exclude = row.get("include"), row.get("exclude", [])
@@ -226,7 +212,7 @@ def read_t2i_compbench(path: Path) -> list[dict]:
     name is a T2I-CompBench category list (the train/val splits of one category both count)."""
     rows = []
     for file, category in _per_category_files(path, _compbench_category, "T2I-CompBench"):
-        rows += [{"prompt": p, "category": category} for _, p in _prompt_lines(file)]
+        rows += [{"prompt": p, "category": category} for _, p in prompt_lines(file)]
     return rows
 
 
@@ -260,14 +246,14 @@ def read_vbench(path: Path) -> list[dict]:
     for file, dimension in _per_category_files(path, _vbench_dimension, "VBench per-dimension"):
         category = dimension if dimension in VBENCH_DIMENSIONS else None
         rows += [{"prompt": p, "category": category, "dimension": [category] if category else []}
-                 for _, p in _prompt_lines(file)]
+                 for _, p in prompt_lines(file)]
     return rows
 
 
 def read_ocr(path: Path) -> list[dict]:
     """Flow-GRPO's OCR prompts: each line holds the text to render between double quotes (kept as `text`)."""
     rows = []
-    for n, prompt in _prompt_lines(path):
+    for n, prompt in prompt_lines(path):
         m = _QUOTED.search(prompt)
         if m is None or not m.group(1).strip():
             raise ValueError(f"{path}:{n}: no text in double quotes (an OCR prompt names the text to render, "
@@ -277,7 +263,7 @@ def read_ocr(path: Path) -> list[dict]:
 
 
 def read_pickscore(path: Path) -> list[dict]:
-    return [{"prompt": p} for _, p in _prompt_lines(path)]
+    return [{"prompt": p} for _, p in prompt_lines(path)]
 
 
 READERS = {"polyrl": read_polyrl, "geneval": read_geneval, "drawbench": read_drawbench, "parti": read_parti,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -36,30 +37,57 @@ def _text_lines(path: Path) -> list[str]:
     return out[:-1] if out and out[-1] == "" else out
 
 
+def prompt_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, stripped text) of each non-blank line of a one-prompt-a-line file (`_text_lines`)."""
+    return [(n, line.strip()) for n, line in enumerate(_text_lines(path), 1) if line.strip()]
+
+
+def jsonl_rows(path: Path, what: str = "") -> Iterator[tuple[str, dict]]:
+    """(`file:line`, row) of each non-blank line of a .jsonl prompt file; a line that is not JSON, or not an object
+    with a non-empty string `prompt`, is a ValueError naming the file and line (`what`: the format, for it)."""
+    for n, line in enumerate(_text_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise ValueError(f"{path}:{n}: each {what + ' ' if what else ''}row needs a non-empty string 'prompt'")
+        yield f"{path}:{n}", row
+
+
 class MissingConditionImage(ValueError):
     """A row without `image` in a data file read for a model that needs condition images (a config error)."""
 
 
-def _resolve_images(row: dict, folder: Path, where: str, required: bool) -> None:
-    """`row["image"]` (a path or a list of paths, relative to `folder` unless absolute) -> absolute paths, each
-    checked to exist; ValueError naming `where` (file and line) and the path. A missing `image` is an error only
-    when `required`."""
-    value = row.get("image")
+def _resolve_paths(row: dict, column: str, folder: Path, where: str, check=None) -> None:
+    """`row[column]` (a path or a list of paths, relative to `folder` unless absolute) -> absolute paths, each
+    checked to exist (and by `check(full, given, where)`); ValueError naming `where` (file and line), the column
+    and the path. An absent column is left alone."""
+    value = row.get(column)
     if value is None:
-        if required:
-            raise MissingConditionImage(f"{where}: no 'image' (a path or a list of paths, relative to the data file)")
         return
     paths = [value] if isinstance(value, str) else value
     if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p.strip() for p in paths):
-        raise ValueError(f"{where}: 'image' must be a path or a non-empty list of paths, got {value!r}")
+        raise ValueError(f"{where}: '{column}' must be a path or a non-empty list of paths, got {value!r}")
     resolved = []
     for p in paths:
         full = os.path.normpath(folder.absolute() / p)
         if not os.path.isfile(full):
-            raise ValueError(f"{where}: image {p!r} does not exist (looked for {full})")
-        _check_readable_image(full, p, where)
+            raise ValueError(f"{where}: {column} {p!r} does not exist (looked for {full})")
+        if check is not None:
+            check(full, p, where)
         resolved.append(full)
-    row["image"] = resolved[0] if isinstance(value, str) else resolved
+    row[column] = resolved[0] if isinstance(value, str) else resolved
+
+
+def _resolve_images(row: dict, folder: Path, where: str, required: bool) -> None:
+    """`row["image"]` -> absolute paths of readable images (`_resolve_paths`); a missing `image` is an error only
+    when `required`."""
+    if row.get("image") is None and required:
+        raise MissingConditionImage(f"{where}: no 'image' (a path or a list of paths, relative to the data file)")
+    _resolve_paths(row, "image", folder, where, _check_readable_image)
 
 
 def _check_readable_image(full: str, given: str, where: str) -> None:
@@ -81,22 +109,10 @@ MEDIA_COLUMNS = {"audio": "audio", "video": "videos"}  # column -> the key of th
 
 
 def _resolve_media(row: dict, folder: Path, where: str) -> None:
-    """`row["audio"]` / `row["video"]` (a path or a list of paths) -> absolute paths, each checked to exist;
-    ValueError naming `where` (file and line), the column and the path. Absent columns are fine."""
+    """`row["audio"]` / `row["video"]` (a path or a list of paths) -> absolute paths, each checked to exist
+    (`_resolve_paths`). Absent columns are fine."""
     for column in MEDIA_COLUMNS:
-        value = row.get(column)
-        if value is None:
-            continue
-        paths = [value] if isinstance(value, str) else value
-        if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p.strip() for p in paths):
-            raise ValueError(f"{where}: '{column}' must be a path or a non-empty list of paths, got {value!r}")
-        resolved = []
-        for p in paths:
-            full = os.path.normpath(folder.absolute() / p)
-            if not os.path.isfile(full):
-                raise ValueError(f"{where}: {column} {p!r} does not exist (looked for {full})")
-            resolved.append(full)
-        row[column] = resolved[0] if isinstance(value, str) else resolved
+        _resolve_paths(row, column, folder, where)
 
 
 def load_prompts(path: str | Path, require_image: bool = False) -> list[dict]:
@@ -108,23 +124,15 @@ def load_prompts(path: str | Path, require_image: bool = False) -> list[dict]:
         raise FileNotFoundError(f"data.path={str(path)!r} does not exist")
     rows: list[dict] = []
     if path.suffix == ".txt":
-        rows = [{"prompt": line.strip()} for line in _text_lines(path) if line.strip()]
+        lines = prompt_lines(path)
+        rows = [{"prompt": line} for _, line in lines]
         if require_image and rows:
-            first = next(n for n, line in enumerate(_text_lines(path), 1) if line.strip())
-            raise MissingConditionImage(f"{path}:{first}: no 'image' (a .txt file holds prompts only; use .jsonl or "
-                                        ".parquet with an `image` column)")
+            raise MissingConditionImage(f"{path}:{lines[0][0]}: no 'image' (a .txt file holds prompts only; use "
+                                        ".jsonl or .parquet with an `image` column)")
     elif path.suffix == ".jsonl":
-        for n, line in enumerate(_text_lines(path), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-                raise ValueError(f"{path}:{n}: each row needs a non-empty string 'prompt'")
-            _resolve_images(row, path.parent, f"{path}:{n}", require_image)
-            _resolve_media(row, path.parent, f"{path}:{n}")
+        for where, row in jsonl_rows(path):
+            _resolve_images(row, path.parent, where, require_image)
+            _resolve_media(row, path.parent, where)
             rows.append(row)
     else:
         import pyarrow.parquet as pq
@@ -152,7 +160,7 @@ def row_location(path: str | Path, index: int) -> str:
     path = Path(path)
     if path.suffix == ".parquet":
         return f"{path}: row {index + 1}"
-    lines = [n for n, line in enumerate(_text_lines(path), 1) if line.strip()]
+    lines = [n for n, _ in prompt_lines(path)]
     return f"{path}:{lines[index]}" if index < len(lines) else str(path)
 
 
