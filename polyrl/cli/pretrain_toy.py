@@ -34,6 +34,78 @@ from ..toy import motion_task
 from ..toy import shapes_task as task
 
 
+# ----------------------------------------------------------------------------------------------- the two phases
+# Every toy diffusion model (shapes, motion, text) is trained by these two loops; only the data and the model
+# call differ.
+def train_vae(vae, next_batch, steps: int, lr: float = 2e-3, recon_loss=F.mse_loss,
+              progress: bool = True) -> list[float]:
+    """Phase 1, VAE reconstruction: Adam(lr) on recon_loss(D(z), x) + 1e-6·KL(q(z|x) ‖ N(0, I)), z ~ q(z|x), x =
+    `next_batch()` (the tiny KL weight: the latents only need to be smooth enough to diffuse). The VAE is left in
+    eval mode without gradients; returns the losses."""
+    vae.train()
+    opt = torch.optim.Adam(vae.parameters(), lr=lr)
+    losses: list[float] = []
+    for _ in (bar := tqdm(range(steps), desc="vae", disable=not progress)):
+        x = next_batch()
+        post = vae.encode(x).latent_dist
+        loss = recon_loss(vae.decode(post.sample()).sample, x) + 1e-6 * post.kl().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        bar.set_postfix(mse=f"{loss.item():.4f}")
+    vae.eval().requires_grad_(False)
+    return losses
+
+
+def train_flow(modules: list, lat: torch.Tensor, prompts: list[str], encode, velocity, steps: int, batch: int,
+               lr: float, rng: random.Random, progress: bool = True) -> list[float]:
+    """Phase 2, rectified flow on the normalised latents `lat` (N, ...) with their `prompts`: per step a batch of
+    x0, 10% of its prompts replaced by "" (so CFG works), σ = sigmoid(n), n ~ N(0, 1), x_σ = (1 − σ)·x0 + σ·ε,
+    loss = mean (v − (ε − x0))² with v = velocity(x_σ, σ·1000, encode(prompts)); AdamW(lr, weight decay 0.01) on
+    the `modules`' parameters, a 200-step linear warm-up then a linear decay to 10% at `steps`, gradient norm
+    clipped to 1. The modules are left in eval mode; returns the losses."""
+    for m in modules:
+        m.train()
+    params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 200) * max(0.1, 1 - i / steps))
+    losses: list[float] = []
+    for _ in (bar := tqdm(range(steps), desc="flow", disable=not progress)):
+        idx = torch.randint(0, len(lat), (batch,))
+        x0 = lat[idx.to(lat.device)]
+        cond = encode(["" if rng.random() < 0.1 else prompts[i] for i in idx.tolist()])
+        sigma = torch.sigmoid(torch.randn(batch, device=x0.device))
+        noise = torch.randn_like(x0)
+        s = sigma.view(-1, *[1] * (x0.dim() - 1))
+        loss = F.mse_loss(velocity((1 - s) * x0 + s * noise, sigma * 1000, cond), noise - x0)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+    for m in modules:
+        m.eval()
+    return losses
+
+
+def sd3_flow_calls(pipe):
+    """(encode, velocity) of `train_flow` for an SD3-layout pipeline with only its first (CLIP) text encoder."""
+    tr = pipe.transformer
+    encoders, tokenizers = [pipe.text_encoder, None, None], [pipe.tokenizer, None, None]
+
+    def encode(prompts):
+        return encode_sd3_prompts(encoders, tokenizers, prompts, tr.config, 0)
+
+    def velocity(x, timestep, cond):
+        return tr(x, cond["prompt_embeds"], cond["pooled"], timestep, return_dict=False)[0]
+
+    return encode, velocity
+
+
+# ----------------------------------------------------------------------------------------------- shapes (image)
 def toy_spec() -> TinySD3Spec:
     words = sorted({w for s in task.all_specs() for w in s.text().split()})
     return TinySD3Spec(
@@ -64,19 +136,9 @@ def pretrain_toy(
     specs = task.all_specs()
     t0 = time.time()
 
-    # Phase 1: VAE reconstruction (tiny KL weight: the latents only need to be smooth enough to diffuse).
-    vae = pipe.vae.train()
-    opt = torch.optim.Adam(vae.parameters(), lr=2e-3)
-    for _ in (bar := tqdm(range(vae_steps), desc="vae")):
-        x = (_images(_sample_specs(rng, 32, specs), rng, spec.image_size) * 2 - 1).to(device)
-        post = vae.encode(x).latent_dist
-        recon = vae.decode(post.sample()).sample
-        loss = F.mse_loss(recon, x) + 1e-6 * post.kl().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        bar.set_postfix(mse=f"{loss.item():.4f}")
-    vae.eval().requires_grad_(False)
+    # Phase 1: VAE reconstruction.
+    vae = pipe.vae
+    train_vae(vae, lambda: (_images(_sample_specs(rng, 32, specs), rng, spec.image_size) * 2 - 1).to(device), vae_steps)
     check = _sample_specs(rng, 64, specs)
     with torch.no_grad():
         x = (_images(check, rng, spec.image_size) * 2 - 1).to(device)
@@ -99,31 +161,7 @@ def pretrain_toy(
     prompts = [s.text() for s in data_specs]
 
     # Phase 2: rectified flow on the transformer + text encoder.
-    tr, te = pipe.transformer.train(), pipe.text_encoder.train()
-    params = list(tr.parameters()) + list(te.parameters())
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 200) * max(0.1, 1 - i / steps))
-    encoders = [pipe.text_encoder, None, None]
-    tokenizers = [pipe.tokenizer, None, None]
-    for _ in (bar := tqdm(range(steps), desc="flow")):
-        idx = torch.randint(0, num_images, (batch,))
-        x0 = lat[idx.to(lat.device)]
-        batch_prompts = ["" if rng.random() < 0.1 else prompts[i] for i in idx.tolist()]
-        cond = encode_sd3_prompts(encoders, tokenizers, batch_prompts, tr.config, 0)
-        sigma = torch.sigmoid(torch.randn(batch, device=x0.device))
-        noise = torch.randn_like(x0)
-        s = sigma.view(-1, 1, 1, 1)
-        xt = (1 - s) * x0 + s * noise
-        v = tr(xt, cond["prompt_embeds"], cond["pooled"], sigma * 1000, return_dict=False)[0]
-        loss = F.mse_loss(v, noise - x0)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        bar.set_postfix(loss=f"{loss.item():.4f}")
-    tr.eval()
-    te.eval()
+    train_flow([pipe.transformer, pipe.text_encoder], lat, prompts, *sd3_flow_calls(pipe), steps, batch, lr, rng)
     out = Path(out)
     fill_clip_g_slot(pipe)  # so that plain StableDiffusion3Pipeline.from_pretrained loads it (models/tiny.py)
     pipe.to("cpu").save_pretrained(str(out))
@@ -272,22 +310,11 @@ def pretrain_motion(
     prompts = [s.text() for s in pool_specs]
     timings["render"] = time.time() - t0
 
-    # Phase 1: VAE reconstruction (tiny KL weight: the latents only need to be smooth enough to diffuse).
+    # Phase 1: VAE reconstruction.
     t0 = time.time()
-    vae.train()
-    opt = torch.optim.Adam(vae.parameters(), lr=vae_lr)
-    vae_losses: list[float] = []
-    for _ in (bar := tqdm(range(vae_steps), desc="vae", disable=not progress)):
-        x = clips_to_vae(pool[torch.randint(0, num_clips, (vae_batch,), device=pool.device)], device)
-        post = vae.encode(x).latent_dist
-        recon = vae.decode(post.sample()).sample
-        loss = reconstruction_loss(recon, x) + 1e-6 * post.kl().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        vae_losses.append(loss.item())
-        bar.set_postfix(mse=f"{loss.item():.4f}")
-    vae.eval().requires_grad_(False)
+    vae_losses = train_vae(
+        vae, lambda: clips_to_vae(pool[torch.randint(0, num_clips, (vae_batch,), device=pool.device)], device),
+        vae_steps, vae_lr, reconstruction_loss, progress)
     timings["vae"] = time.time() - t0
 
     # Latents of the whole pool, their statistics into the VAE config, and a reconstruction check.
@@ -309,32 +336,11 @@ def pretrain_motion(
 
     # Phase 2: rectified flow on the transformer + text encoder.
     t0 = time.time()
-    tr.train()
-    te.train()
-    params = list(tr.parameters()) + list(te.parameters())
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 200) * max(0.1, 1 - i / steps))
-    flow_losses: list[float] = []
-    for _ in (bar := tqdm(range(steps), desc="flow", disable=not progress)):
-        idx = torch.randint(0, num_clips, (batch,))
-        x0 = lat[idx.to(lat.device)]
-        embeds = encode_wan_prompts(te, pipe.tokenizer, ["" if rng.random() < 0.1 else prompts[i] for i in idx.tolist()],
-                                    MOTION_TEXT_LENGTH)
-        sigma = torch.sigmoid(torch.randn(batch, device=x0.device))
-        noise = torch.randn_like(x0)
-        s = sigma.view(-1, 1, 1, 1, 1)
-        v = tr(hidden_states=(1 - s) * x0 + s * noise, timestep=sigma * 1000, encoder_hidden_states=embeds,
-               return_dict=False)[0]
-        loss = F.mse_loss(v, noise - x0)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        flow_losses.append(loss.item())
-        bar.set_postfix(loss=f"{loss.item():.4f}")
-    tr.eval()
-    te.eval()
+    flow_losses = train_flow(
+        [tr, te], lat, prompts, lambda p: encode_wan_prompts(te, pipe.tokenizer, p, MOTION_TEXT_LENGTH),
+        lambda x, timestep, embeds: tr(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
+                                       return_dict=False)[0],
+        steps, batch, lr, rng, progress)
     timings["flow"] = time.time() - t0
 
     out = Path(out)
