@@ -80,6 +80,9 @@ def test_real_ocr_reads_rendered_words(ocr):
     assert s[2] == pytest.approx(0.2), s  # another word: "world" vs "hello" is 4 edits of 5
     assert s[3] == pytest.approx(0.8), s  # one wrong character costs 1/5
     assert out.extras["ocr/exact"][0] == 1.0 and out.extras["ocr/chars_read"][1] == 0.0
+    # the sample grids' caption: the target and what was read
+    assert out.extras["caption"] == ["target 'HELLO', read 'HELLO'", "target 'HELLO', read ''",
+                                     "target 'HELLO', read 'WORLD'", "target 'HELLO', read 'HALLO'"]
     again = ocr(images[:1], prompts[:1], [{}])
     assert again.scores.tolist() == s[:1]  # deterministic
 

@@ -73,6 +73,12 @@ def test_toy_ocr_recipe_trains_two_steps_with_the_real_ocr(pretrained, tmp_path,
     assert all(0.0 <= r["reward/mean"] <= 1.0 and math.isfinite(r["loss"]) for r in rows[1:])
     assert "reward_extra/ocr/exact" in rows[-1] and "eval/reward_mean" in rows[0] and "eval/reward_mean" in rows[-1]
     assert (run / "samples" / "step_000002.png").is_file()
+    # the held-out samples (and the grid's tiles) are captioned with the target word and what the OCR read
+    samples = [json.loads(line) for line in (run / "samples" / "step_000002.jsonl").read_text().splitlines()]
+    assert len(samples) == 4
+    for s in samples:
+        word = s["prompt"].split('"')[1]
+        assert s["caption"].startswith(f"target {word!r}, read '") and s["caption"].endswith("'"), s
     assert (run / "checkpoints" / "step_000002" / "adapter_model.safetensors").is_file()
 
 

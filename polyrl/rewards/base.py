@@ -59,10 +59,25 @@ FRAME_REDUCES = ("mean", "min")
 @dataclass
 class RewardOutput:
     """`scores`: (B,) float32, one per sample. `extras`: per-sample numeric diagnostics, name -> length-B
-    list/tensor (the trainer logs each one's mean over the finite values)."""
+    list/tensor (the trainer logs each one's mean over the finite values); an extra named `caption` (or
+    `<prefix>/caption`) holds instead one string per sample, shown under the sample's tile in the sample grids
+    (`caption_texts`; e.g. what the OCR reward read) and not logged as a metric."""
 
     scores: torch.Tensor
     extras: dict[str, Any] = field(default_factory=dict)
+
+
+def is_caption_key(key: str) -> bool:
+    """Whether an extra holds per-sample caption strings (`caption` or `<prefix>/caption`), not a metric."""
+    return key == "caption" or key.endswith("/caption")
+
+
+def caption_texts(extras: dict, n: int) -> list[str]:
+    """The caption lines of n samples from their extras: every caption extra's string of that sample, in the
+    extras' order, one per line ("" for a sample with none; a caption extra that is not one entry per sample is
+    ignored)."""
+    columns = [list(v) for k, v in extras.items() if is_caption_key(k) and isinstance(v, list | tuple) and len(v) == n]
+    return ["\n".join(str(c[i]) for c in columns if c[i] not in (None, "")) for i in range(n)]
 
 
 class Reward(Protocol):

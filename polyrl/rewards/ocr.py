@@ -16,6 +16,9 @@ Score per image, with the Flow-GRPO normalisation:
 4. d = 0 if the target occurs inside the read text (extra text is not penalised), else the Levenshtein
    distance(read, target), capped at len(target);
 5. score = 1 - d / len(target), in [0, 1].
+
+Extras: `ocr/exact` (the target read exactly, possibly inside more text), `ocr/chars_read`, and the `caption` of
+each sample's tile in the sample grids: the target and what was read (`target 'HELLO', read 'HELL0'`).
 """
 
 from __future__ import annotations
@@ -121,5 +124,6 @@ class OcrReward:
         return RewardOutput(
             torch.tensor(scores, dtype=torch.float32),
             {"ocr/exact": [float(normalise_text(t) in normalise_text(r)) for r, t in zip(reads, targets, strict=True)],
-             "ocr/chars_read": [float(len(normalise_text(r))) for r in reads]},
+             "ocr/chars_read": [float(len(normalise_text(r))) for r in reads],
+             "caption": [f"target {t!r}, read {r!r}" for r, t in zip(reads, targets, strict=True)]},
         )

@@ -57,7 +57,7 @@ def tiles_waveform(waveform: torch.Tensor, sample_rate: int) -> torch.Tensor:
 
 
 def save_audio_samples(audio, captions: list[str], scores: list[float] | None, stem: Path,
-                       baselines: list[float] | None = None) -> list[Path]:
+                       baselines: list[float] | None = None, notes: list[str] | None = None) -> list[Path]:
     """`<stem>.wav` (the clips in tile order, 16-bit PCM) and `<stem>.png` (their captioned spectrograms)."""
     from ..rewards.codec import encode_wav
     from .logging import save_grid
@@ -66,5 +66,6 @@ def save_audio_samples(audio, captions: list[str], scores: list[float] | None, s
     wav, png = stem.with_suffix(".wav"), stem.with_suffix(".png")
     wav.write_bytes(encode_wav(tiles_waveform(audio.waveform.detach().float().cpu(), audio.sample_rate),
                                audio.sample_rate))
-    save_grid(spectrogram_images(audio.waveform, audio.sample_rate), captions, scores, png, baselines=baselines)
+    save_grid(spectrogram_images(audio.waveform, audio.sample_rate), captions, scores, png, baselines=baselines,
+              notes=notes)
     return [wav, png]

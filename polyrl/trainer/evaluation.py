@@ -103,11 +103,13 @@ class HackingWatch:
         return None
 
     def observe(self, batch: Rollout, step: int) -> tuple[dict, str | None]:
-        """(metrics of this evaluation, the warning line when the alarm fires for the first time)."""
+        """(metrics of this evaluation, the warning line when the alarm fires for the first time). Each scorer's
+        per-sample value (and its own caption extras) joins the batch's caption extras as `<name>/caption`
+        (`<name>=0.42`), so the grid written after this shows it under every tile."""
         from ..evaluation.hacking import alarm_line, hacking_alarm, history_entry
         from ..media import primary
         from ..models.base import prompt_text
-        from ..rewards.base import call_reward
+        from ..rewards.base import call_reward, caption_texts
         from ..rewards.stage import checked_scores, reward_latents
 
         scores = {self.reward_name: batch.rewards.tolist()}
@@ -116,6 +118,9 @@ class HackingWatch:
                 out = call_reward(scorer, primary(batch.media), batch.prompts, batch.metadata,
                                   latents=reward_latents(batch.final), group_ids=batch.group_ids)
                 scores[name] = checked_scores(out, name, len(batch)).tolist()
+                own = caption_texts(out.extras, len(batch))
+                batch.reward_extras[f"{name}/caption"] = [" ".join([f"{name}={v:.2f}", *c.splitlines()])
+                                                          for v, c in zip(scores[name], own, strict=True)]
         keys = [prompt_text(p) for p in batch.prompts]
         entry = history_entry(step, scores, keys, self.seed)
         metrics = {}

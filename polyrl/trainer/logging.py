@@ -246,9 +246,10 @@ def tile_caption(caption: str, score: float | None, baseline: float | None) -> s
 
 
 def grid_image(images: torch.Tensor, captions: list[str], scores: list[float] | None, cols: int = 8,
-               scale: int = 2, baselines: list[float] | None = None) -> Image.Image:
+               scale: int = 2, baselines: list[float] | None = None, notes: list[str] | None = None) -> Image.Image:
     """A grid of (B, 3, H, W) images in [0, 1]; under each tile its whole prompt (wrapped to the tile width),
-    its reward `r=` and, with `baselines`, that tile's reward at the first evaluation (`was`)."""
+    its reward `r=` and, with `baselines`, that tile's reward at the first evaluation (`was`), then its `notes`
+    (lines of text, each wrapped: the extra scorers' values, a reward's caption extras)."""
     b, _, h, w = images.shape
     cols = min(cols, b)
     tile_w = w * scale
@@ -258,7 +259,8 @@ def grid_image(images: torch.Tensor, captions: list[str], scores: list[float] | 
         lines = wrap_text(captions[i], tile_w - 4, draw)
         score = scores[i] if scores is not None else None
         extra = tile_caption("", score, baselines[i] if baselines is not None else None).strip()
-        texts.append("\n".join(lines + ([extra] if extra else [])))
+        note = [w for line in (notes[i].splitlines() if notes else []) for w in wrap_text(line, tile_w - 4, draw)]
+        texts.append("\n".join(lines + ([extra] if extra else []) + note))
     line_h = 12
     cap_h = max(t.count("\n") + 1 for t in texts) * line_h + 4
     rows = math.ceil(b / cols)
@@ -273,14 +275,15 @@ def grid_image(images: torch.Tensor, captions: list[str], scores: list[float] | 
 
 
 def save_grid(images: torch.Tensor, captions: list[str], scores: list[float] | None, path: Path, cols: int = 8,
-              scale: int = 2, baselines: list[float] | None = None) -> None:
+              scale: int = 2, baselines: list[float] | None = None, notes: list[str] | None = None) -> None:
     """A captioned PNG grid (see `grid_image`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    grid_image(images, captions, scores, cols, scale, baselines).save(path)
+    grid_image(images, captions, scores, cols, scale, baselines, notes).save(path)
 
 
 def save_video_grid(video: torch.Tensor, captions: list[str], scores: list[float] | None, path: Path, fps: float,
-                    cols: int = 8, scale: int = 2, baselines: list[float] | None = None, audio=None) -> None:
+                    cols: int = 8, scale: int = 2, baselines: list[float] | None = None, audio=None,
+                    notes: list[str] | None = None) -> None:
     """A captioned grid video (mp4) of (B, T, 3, H, W) clips in [0, 1]: frame t of every clip side by side. With
     `audio` (a `media.Audio` of the same B clips) the mp4 holds one AAC track per tile, in tile order, titled
     "tile i: <caption>" (a player plays tile 1's and can switch tracks)."""
@@ -288,7 +291,7 @@ def save_video_grid(video: torch.Tensor, captions: list[str], scores: list[float
 
     from ..rewards.codec import encode_mp4
 
-    frames = np.stack([np.asarray(grid_image(video[:, t], captions, scores, cols, scale, baselines))
+    frames = np.stack([np.asarray(grid_image(video[:, t], captions, scores, cols, scale, baselines, notes))
                        for t in range(video.shape[1])])
     path.parent.mkdir(parents=True, exist_ok=True)
     sound = {} if audio is None else {

@@ -179,18 +179,18 @@ class Trainer:
             mean, batch = self.evaluate()
             if not self.engine.is_main:  # rank 0 writes
                 return
-            self._optional_write(f"the samples of step {self.step} under {self.samples.dir}",
-                                 self.samples.write, batch, self.step)
-            metrics["eval/reward_mean"] = mean
-            if self.cfg.trainer.keep_best:
-                self._scores[self.step] = mean
-            if self.cfg.trainer.eval_scorers:  # extra scorers and the reward-hacking watch (docs/evaluation.md)
+            if self.cfg.trainer.eval_scorers:  # extra scorers, the hacking watch; their values caption the grid
                 if self._watch is None:
                     self._watch = HackingWatch(self.cfg, self.logger.history())
                 watch_metrics, warning = self._watch.observe(batch, self.step)
                 metrics.update(watch_metrics)
                 if warning:
                     self.bar.write(warning, file=sys.stderr)
+            self._optional_write(f"the samples of step {self.step} under {self.samples.dir}",
+                                 self.samples.write, batch, self.step)
+            metrics["eval/reward_mean"] = mean
+            if self.cfg.trainer.keep_best:
+                self._scores[self.step] = mean
             metrics["time/eval"] = time.perf_counter() - t0
             self._print_eval(mean)
         except StopRequested:  # the step itself is complete: it is logged and saved, then every rank stops

@@ -25,6 +25,7 @@ from ..algorithms.advantage import zero_std_ratio
 from ..batch import Rollout
 from ..data.prompts import split_row
 from ..perf.timer import StageTimer
+from ..rewards.base import is_caption_key
 from ..rewards.stage import merge_extras
 from ..sampling.base import UPDATE_STREAM, repeat_rows, step_generator
 
@@ -65,6 +66,8 @@ def reward_metrics(parts: list[tuple[int, dict]]) -> dict[str, float]:
     """Mean of each reward extra over the finite values of every rank's samples (`(samples, extras)` per rank)."""
     out = {}
     for k, v in merge_extras(parts).items():
+        if is_caption_key(k):  # per-sample strings for the sample grids
+            continue
         vals = [float(x) for x in v if x is not None and not (isinstance(x, float) and math.isnan(x))]
         if vals:
             # per-component scores of a mix are logged under their own name (reward/<component>)
