@@ -10,6 +10,9 @@ deterministic ODE sampler (`eval.noise_level=0`; > 0 samples the SDE with that n
 Each sample is scored with every scorer. With `eval.compare_base=true` the checkpoint's base model (its LoRA switched
 off; a full fine-tune: the base loaded beside it) is sampled from the same noise and every statistic is paired per
 sample (evaluation/stats.py). Sampling and scoring overlap: a worker thread scores a chunk while the next one samples.
+A token policy (`model=causal_lm`, ...) decodes greedily (`eval.noise_level=0`; > 0: samples at that temperature
+with `rollout.top_p`, sample k of prompt p from its own seeded uniforms) up to `rollout.max_new_tokens`; its
+responses are kept in samples.jsonl and it writes no grids.
 
 Output in `eval.output_dir` (default `<run>/eval/<timestamp>/`, or `runs/eval/<timestamp>/` for a base model):
 `samples.jsonl` (each prompt's scores, written as each chunk is scored), `eval.json` (what was evaluated),
@@ -187,18 +190,34 @@ class Models:
         return self.trained
 
 
+def token_eval_plan(r, temperature: float):
+    """A token policy's evaluation plan: the run's `rollout.*` keys at `temperature` (0: greedy decoding)."""
+    from dataclasses import replace
+
+    from ..sampling.tokens import token_plan_from_config
+
+    return replace(token_plan_from_config(r), temperature=temperature)
+
+
 def sample_chunk(models: Models, which: str, plan, rows: list[dict], keys: list[tuple[int, int]], seed: int):
     """Decoded samples of `keys` ((prompt index, sample) each) with `which` model: (media, final latents, prompts,
     metadata, group ids: the prompt indices; a chunk holds every sample of its prompts, whole groups for a group
-    reward)."""
+    reward). A token policy's media are its responses ({"text": [...]}) and it has no latents."""
     from ..data.prompts import split_row
     from ..sampling.diffusion import rollout
+    from ..sampling.tokens import TokenPlan, draw_uniforms, token_rollout
 
     adapter = models.get(which)
     prompts, metadata = zip(*(split_row(rows[p]) for p, _ in keys), strict=True)
-    noise = draw_samples_noise(adapter, plan, keys, seed)
+    group_ids = torch.tensor([p for p, _ in keys])
     with torch.no_grad():
-        batch = rollout(adapter, list(prompts), list(metadata), torch.tensor([p for p, _ in keys]), plan, noise)
+        if isinstance(plan, TokenPlan):
+            uniforms = torch.cat([draw_uniforms(1, plan, torch.Generator().manual_seed(sample_seed(seed, p, k)))
+                                  for p, k in keys])
+            batch = token_rollout(adapter, list(prompts), list(metadata), group_ids, plan, uniforms)
+        else:
+            batch = rollout(adapter, list(prompts), list(metadata), group_ids, plan,
+                            draw_samples_noise(adapter, plan, keys, seed))
     return batch.media, batch.final, list(prompts), list(metadata), batch.group_ids
 
 
@@ -282,10 +301,9 @@ def report_markdown(report: dict) -> str:
     what = report["checkpoint"] or report["model_path"]
     lines = [f"# polyrl eval: {what}", "",
              f"{report['prompts']} prompts × {report['samples_per_prompt']} samples = {report['samples']} samples of "
-             f"`{report['data_path']}` ({report['format']}), seed {report['seed']}, "
-             f"{'ODE' if report['noise_level'] == 0 else 'SDE noise level ' + str(report['noise_level'])} sampling, "
-             f"{report['num_steps']} steps" + (f"; paired against the base `{report['model_path']}` from the same "
-                                               "noise" if paired else "") + ".", "", head]
+             f"`{report['data_path']}` ({report['format']}), seed {report['seed']}, {_sampling_words(report)}"
+             + (f"; paired against the base `{report['model_path']}` from the same noise" if paired else "") + ".",
+             "", head]
     lines += [row(name, s) for name, s in report["scorers"].items()]
     for name, s in report["scorers"].items():
         if "categories" not in s:
@@ -298,6 +316,14 @@ def report_markdown(report: dict) -> str:
         lines += ["", mean_line]
     lines += ["", "ci95: bootstrap over prompts (docs/evaluation.md); win rate: (wins + ties/2) / paired samples."]
     return "\n".join(lines) + "\n"
+
+
+def _sampling_words(report: dict) -> str:
+    level = report["noise_level"]
+    if report.get("policy") == "tokens":
+        return (("greedy decoding" if level == 0 else f"sampling at temperature {level}")
+                + f", at most {report['max_new_tokens']} new tokens")
+    return f"{'ODE' if level == 0 else 'SDE noise level ' + str(level)} sampling, {report['num_steps']} steps"
 
 
 def pick_extremes(records: list[dict], scorer: str, k: int, paired: bool) -> tuple[list, list]:
@@ -315,7 +341,8 @@ def pick_extremes(records: list[dict], scorer: str, k: int, paired: bool) -> tup
 
 def write_grids(out: Path, models: Models, plan, rows, records, scorers, opts: EvalOptions) -> list[Path]:
     """Grids of the largest gains and losses of the first scorer, re-sampled from their seeds (the same samples the
-    report scored); paired: each checkpoint tile beside its base tile."""
+    report scored); paired: each checkpoint tile beside its base tile. Each tile's caption: its prompt, the first
+    scorer's score and the other scorers' (`pickscore=0.21`)."""
     from ..models.base import prompt_text
     from ..trainer.samples import save_samples
 
@@ -329,15 +356,24 @@ def write_grids(out: Path, models: Models, plan, rows, records, scorers, opts: E
         media, _, prompts, _, _ = sample_chunk(models, "trained", plan, rows, keys, opts.seed)
         captions = [f"{prompt_text(p)}" for p in prompts]
         scores = [by_index[i]["scores"][name][s] for i, s in keys]
+        notes = [_other_scores(by_index[i]["scores"], name, s) for i, s in keys]
         if opts.compare_base:  # base, checkpoint, base, checkpoint, ...
             base_media = sample_chunk(models, "base", plan, rows, keys, opts.seed)[0]
             order = torch.arange(2 * len(keys)).view(2, -1).t().reshape(-1)
             media = {k: _interleave(base_media[k], media[k], order) for k in media}
             captions = [c for cap in captions for c in (f"base: {cap}", f"trained: {cap}")]
             scores = [v for (i, s), t in zip(keys, scores, strict=True) for v in (by_index[i]["base"][name][s], t)]
-        batch = SimpleNamespace(prompts=captions, rewards=torch.tensor(scores), media=media)
+            notes = [v for (i, s), t in zip(keys, notes, strict=True)
+                     for v in (_other_scores(by_index[i]["base"], name, s), t)]
+        batch = SimpleNamespace(prompts=captions, rewards=torch.tensor(scores), media=media,
+                                reward_extras={"caption": notes})
         written += save_samples(batch, out / stem, plan.shape.fps)
     return written
+
+
+def _other_scores(scores: dict, first: str, sample: int) -> str:
+    """A tile's caption line: sample `sample`'s score by every scorer but the first (the grid's `r=`)."""
+    return " ".join(f"{n}={v[sample]:.2f}" for n, v in scores.items() if n != first)
 
 
 def _interleave(a, b, order):
@@ -370,21 +406,22 @@ def main(args: list[str]) -> int:
     elif opts.compare_base:
         raise ConfigError("eval.compare_base=true compares a checkpoint with its base: give checkpoint=DIR")
     cfg = load_eval_config(ckpt, overrides)
-    if policy_kind(MODELS[cfg.model.name]) == "tokens":
-        raise UserError(f"polyrl eval samples diffusion policies; model={cfg.model.name} is a token policy, whose "
-                        "held-out responses `polyrl train` writes to samples/step_N.jsonl")
+    tokens = policy_kind(MODELS[cfg.model.name]) == "tokens"
     rows, fmt = load_benchmark(cfg.data.path, opts.format)
     if opts.max_prompts:
         rows = rows[: opts.max_prompts]
     names = list(opts.scorers or [cfg.reward.name])
     confs = scorer_configs(names, cfg, extra)  # eval.scorers / scorer.<name>.<key>
-    plan = eval_plan(cfg.rollout, opts.noise_level)
+    plan = token_eval_plan(cfg.rollout, opts.noise_level) if tokens else eval_plan(cfg.rollout, opts.noise_level)
     spec = {"checkpoint": str(ckpt) if ckpt else None, "model_path": str(cfg.model.path),
             "data_path": str(cfg.data.path), "format": fmt, "scorers": names, "scorer_configs": confs,
             "samples_per_prompt": opts.samples_per_prompt, "seed": opts.seed, "compare_base": opts.compare_base,
-            "noise_level": opts.noise_level, "num_steps": plan.num_steps, "guidance_scale": plan.guidance.scale,
-            "height": plan.shape.height, "width": plan.shape.width, "num_frames": plan.shape.frames,
-            "total_prompts": len(rows)}
+            "noise_level": opts.noise_level, "total_prompts": len(rows)}
+    if tokens:
+        spec.update(policy="tokens", max_new_tokens=plan.max_new_tokens, top_p=plan.top_p, stop=list(plan.stop))
+    else:
+        spec.update(num_steps=plan.num_steps, guidance_scale=plan.guidance.scale, height=plan.shape.height,
+                    width=plan.shape.width, num_frames=plan.shape.frames)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(opts.output_dir) if opts.output_dir else (
         ckpt.parent.parent / "eval" / stamp if ckpt else Path("runs") / "eval" / stamp)
@@ -426,6 +463,10 @@ def main(args: list[str]) -> int:
                           "scores": {n: v[sl] for n, v in scores.items()}}
                 if base_scores is not None:
                     record["base"] = {n: v[sl] for n, v in base_scores.items()}
+                if tokens:  # a token policy's responses (media {"text": [...]})
+                    record["responses"] = trained[0]["text"][sl]
+                    if base is not None:
+                        record["base_responses"] = base[0]["text"][sl]
                 f.write(json.dumps(record) + "\n")
         bar.update(len(chunk))
 
@@ -457,7 +498,7 @@ def main(args: list[str]) -> int:
     report["seconds"] = time.perf_counter() - t0
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(report_markdown(report))
-    grids = write_grids(out, models, plan, rows, records, scorers, opts) if opts.grid else []
+    grids = write_grids(out, models, plan, rows, records, scorers, opts) if opts.grid and not tokens else []
     for name, s in report["scorers"].items():
         line = f"polyrl: {name}: mean {s['mean']:.4f} {_fmt_ci(s['ci95'])}"
         if opts.compare_base:
