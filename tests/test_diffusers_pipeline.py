@@ -252,6 +252,28 @@ def test_samples_of_one_prompt_share_their_recorded_rows(tiny_sd3_dir):
     assert recorded_bytes(batch.extras["replay"]) == one
 
 
+def test_a_decode_that_fails_on_the_batch_names_decode_batch(tiny_sd3_dir, monkeypatch):
+    """A VAE that cannot decode B > 1 (diffusers 0.42.1's HunyuanVideo-1.5) gets one error line naming the option, and
+    decodes with it one sample at a time."""
+    gen = _generic(tiny_sd3_dir)
+    plan = _plan(MediaShape(32, 32), 1.0)
+    noise = draw_noise(gen.latent_shapes(plan.shape), plan, torch.arange(2), torch.Generator().manual_seed(3))
+    decode = type(gen.pipe.vae).decode
+
+    def one_at_a_time(vae, z, *args, **kwargs):
+        if z.shape[0] > 1:
+            raise RuntimeError("output with shape [2, 1, 4, 4] doesn't match the broadcast shape [2, 2, 4, 4]")
+        return decode(vae, z, *args, **kwargs)
+
+    monkeypatch.setattr(type(gen.pipe.vae), "decode", one_at_a_time)
+    with pytest.raises(UserError, match=r"StableDiffusion3Pipeline failed to decode a batch of 2 after its last step "
+                                        r"\(output with shape .*\); model.options.decode_batch=1 decodes one sample"):
+        rollout(gen, PROMPTS, [{}] * 2, torch.arange(2), plan, noise)
+    gen.opts["decode_batch"] = 1
+    batch = rollout(gen, PROMPTS, [{}] * 2, torch.arange(2), plan, noise)
+    assert batch.media["images"].shape == (2, 3, 32, 32)
+
+
 def test_a_velocity_outside_the_recorded_steps_is_refused(tiny_sd3_dir):
     gen = _generic(tiny_sd3_dir)
     x = {"latents": torch.zeros(1, 4, 16, 16)}

@@ -621,7 +621,15 @@ class PipelinePolicy:
         kwargs = self._call_kwargs(texts, plan.shape, plan.num_steps, plan.guidance,
                                    initial["latents"].to(self.dtype), "pt" if decode else "latent")
         with self._running(stepper, recorder, float(plan.guidance.scale)):
-            out = self.pipe(**kwargs)
+            try:
+                out = self.pipe(**kwargs)
+            except RuntimeError as e:  # after the last step: the decode of the batch (HunyuanVideo-1.5's VAE at B > 1)
+                batch = len(texts)
+                if not decode or recorder.j != plan.num_steps or batch == 1 or self.opts["decode_batch"] is not None:
+                    raise
+                raise UserError(f"model=diffusers_pipeline: {self.name} failed to decode a batch of {batch} after its "
+                                f"last step ({str(e).splitlines()[0]}); model.options.decode_batch=1 decodes one "
+                                "sample at a time") from e
         decode_s = time.perf_counter() - recorder.last_step
         if recorder.j != plan.num_steps:
             raise UserError(f"model=diffusers_pipeline: {self.name} took {recorder.j} scheduler steps for "
