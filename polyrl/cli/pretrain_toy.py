@@ -9,6 +9,9 @@ any real checkpoint.
 `--task count` (`pretrain_count.py`): the toy text model, a tiny Qwen3-class causal LM that counts the shapes
 named in a scene description; `model=causal_lm` loads it.
 
+`--task rewrite` (`pretrain_rewrite.py`): the toy prompt rewriter, a tiny Qwen3-class causal LM that rewrites
+shapes requests (carelessly) for the frozen toy_shapes generator; `recipe=toy_rewriter` trains it through that generator.
+
 `--task motion`: moving shapes (`polyrl.toy.motion_task`), a Wan2.1-layout text-to-video model trained the same
 way (`pretrain_motion`): an AutoencoderKLWan on rendered clips, then the WanTransformer3DModel and its UMT5 encoder
 with rectified flow on the frozen VAE's normalised latents; the `wan` adapter loads the result.
@@ -405,6 +408,7 @@ DEFAULTS = {
     "motion": dict(out="toy_motion", vae_steps=400, steps=2000, num_images=4000, batch=32),
     "count": dict(out="toy_count", vae_steps=0, steps=600, num_images=0, batch=64),  # a text model: no VAE, no images
     "text": dict(out="toy_text", vae_steps=300, steps=2000, num_images=8000, batch=32),
+    "rewrite": dict(out="toy_rewriter", vae_steps=0, steps=800, num_images=0, batch=64),  # a text model
 }
 
 
@@ -416,7 +420,9 @@ def main(args: list[str]) -> int:
     p.add_argument("--task", choices=tuple(DEFAULTS), default="shapes",
                    help="shapes: the text-to-image default (toy_shapes); motion: the text-to-video one (toy_motion); "
                         "count: the text default, a tiny causal LM (toy_count); text: an SD3-layout model that "
-                        "writes the quoted word of a prompt, the base of recipe toy_ocr (toy_text)")
+                        "writes the quoted word of a prompt, the base of recipe toy_ocr (toy_text); rewrite: a tiny causal LM "
+                        "that rewrites shapes requests for the toy_shapes generator, the base of recipe toy_rewriter "
+                        "(toy_rewriter)")
     p.add_argument("--out", default=None, help="model directory (default: polyrl/assets/toy_<task>)")
     p.add_argument("--prompts-dir", default=str(ASSETS / "prompts"))
     p.add_argument("--vae-steps", type=int, default=None)
@@ -426,7 +432,7 @@ def main(args: list[str]) -> int:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--vae-batch", type=int, default=16, help="motion, text: clips / images per VAE step")
     p.add_argument("--eval-samples", type=int, default=None,
-                   help="motion, count, text: held-out prompts sampled after training, reward recorded in pretrain.json "
+                   help="motion, count, text, rewrite: held-out prompts sampled after training, reward recorded in pretrain.json "
                         "(0: skip; text: default 160, every held-out word)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
@@ -447,6 +453,11 @@ def main(args: list[str]) -> int:
         path = pretrain_text(out, vae_steps=budget["vae_steps"], steps=budget["steps"], num_images=budget["num_images"],
                              batch=budget["batch"], seed=a.seed, prompts_dir=a.prompts_dir, device=a.device,
                              eval_samples=a.eval_samples, vae_batch=a.vae_batch, threads=a.threads, init=a.init)
+    elif a.task == "rewrite":
+        from .pretrain_rewrite import pretrain_rewrite
+
+        path = pretrain_rewrite(out, steps=budget["steps"], batch=budget["batch"], seed=a.seed,
+                                prompts_dir=a.prompts_dir, device=a.device, eval_samples=a.eval_samples)
     elif a.task == "count":
         from .pretrain_count import pretrain_count
 

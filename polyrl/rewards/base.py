@@ -61,10 +61,13 @@ class RewardOutput:
     """`scores`: (B,) float32, one per sample. `extras`: per-sample numeric diagnostics, name -> length-B
     list/tensor (the trainer logs each one's mean over the finite values); an extra named `caption` (or
     `<prefix>/caption`) holds instead one string per sample, shown under the sample's tile in the sample grids
-    (`caption_texts`; e.g. what the OCR reward read) and not logged as a metric."""
+    (`caption_texts`; e.g. what the OCR reward read) and not logged as a metric. `media`: media the reward made from
+    the samples while scoring them, by kind (`rewrite_render`: the generator's images of a text policy's rewrites);
+    `stage.score_batch` adds the kinds the batch lacks to its media, so the held-out sample grids show them."""
 
     scores: torch.Tensor
     extras: dict[str, Any] = field(default_factory=dict)
+    media: dict[str, Any] | None = None
 
 
 def is_caption_key(key: str) -> bool:

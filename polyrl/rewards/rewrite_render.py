@@ -11,8 +11,10 @@ prompt group (one request, n rewrites) start from the same noise and differ only
 rewrite always renders to the same media. The generator is never trained: its weights are frozen
 (`requires_grad=False`, eval mode), hold no optimizer state, and it runs under `torch.no_grad`.
 
-Extras: the scorer's own, `rewrite/words` (the rewrite's length in words). `last_media` / `last_rewrites` keep the
-last call's media and rewrites.
+Extras: the scorer's own, `rewrite/words` (the rewrite's length in words) and the caption `rewrite/caption`
+("-> <rewrite>", under the request in the sample grids). The renders come back as the output's `media`, so the
+held-out sample grid shows request, rewrite and image; `last_media` / `last_rewrites` keep the last call's media and
+rewrites.
 """
 
 from __future__ import annotations
@@ -116,5 +118,6 @@ class RewriteRender:
         self.last_media = media
         meta = [{**m, "rewrite": r} for m, r in zip(metadata, self.last_rewrites, strict=True)]
         out = call_reward(self.scorer, primary(media), list(prompts), meta)
-        extras = {**out.extras, "rewrite/words": [float(len(r.split())) for r in self.last_rewrites]}
-        return RewardOutput(torch.as_tensor(out.scores, dtype=torch.float32), extras)
+        extras = {**out.extras, "rewrite/words": [float(len(r.split())) for r in self.last_rewrites],
+                  "rewrite/caption": [f"-> {r}" for r in self.last_rewrites]}
+        return RewardOutput(torch.as_tensor(out.scores, dtype=torch.float32), extras, media=dict(media))

@@ -60,10 +60,14 @@ def checked_scores(out: RewardOutput, name: str, n: int) -> torch.Tensor:
 
 def score_batch(reward, name: str, batch: Rollout) -> None:
     """Score the batch in one call (decoded media and/or latents, as the reward declares) and attach
-    `rewards` and `reward_extras`."""
+    `rewards` and `reward_extras`; media the reward made (`RewardOutput.media`) join the batch's media where it has
+    none of that kind (a text policy's batch gains the images its rewrites were rendered to)."""
     out = call_reward(reward, primary(batch.media), batch.prompts, batch.metadata, latents=reward_latents(batch.final),
                       group_ids=batch.group_ids)
     batch.rewards, batch.reward_extras = checked_scores(out, name, len(batch)), out.extras
+    made = getattr(out, "media", None) or {}
+    if made:
+        batch.media = {**made, **(batch.media or {})}
 
 
 def reward_latents(final: dict) -> torch.Tensor | dict:
