@@ -60,10 +60,11 @@ def _examples(tokenizer, requests: list[str], targets: list[str]) -> tuple[torch
 
 
 def rewrite_rewards(path: str | Path, prompts_file: str | Path, n: int = 64, device: str = "cpu",
-                    seed: int = 0) -> dict:
+                    seed: int = 0, render: dict | None = None) -> dict:
     """On the first n requests of `prompts_file`: the mean `shapes` reward of the generator's renders of the requests
     themselves (`requests`), of the rewriter's greedy rewrites (`greedy`) and of its sampled ones (temperature 1,
-    uniforms from `seed`: `sampled`), plus the share of greedy rewrites that open with a filler word and 8 examples."""
+    uniforms from `seed`: `sampled`), plus the share of greedy rewrites that open with a filler word and 8 examples.
+    `render`: the generator's `reward.rollout` keys (default `RENDER`, the recipe's)."""
     from ..config import ASSETS
     from ..data.prompts import load_prompts, split_row
     from ..models.causal_lm import CausalLMPolicy
@@ -73,7 +74,7 @@ def rewrite_rewards(path: str | Path, prompts_file: str | Path, n: int = 64, dev
     adapter = CausalLMPolicy(SimpleNamespace(path=str(path), dtype="float32", max_sequence_length=64),
                              torch.device(device))
     render = build_reward({"name": "rewrite_render", "generator": {"name": "sd3", "path": str(ASSETS / "toy_shapes")},
-                           "scorer": {"name": "shapes"}, "rollout": RENDER, "device": device})
+                           "scorer": {"name": "shapes"}, "rollout": render or RENDER, "device": device})
     rows = load_prompts(prompts_file)[:n]
     prompts, meta = (list(x) for x in zip(*(split_row(r) for r in rows), strict=True))
     out = {"requests": render(prompts, prompts, meta).scores.mean().item()}
