@@ -100,6 +100,7 @@ def test_learning_table_command_runs_two_steps_and_writes_request_rewrite_image(
     samples = [json.loads(line) for line in (out / "samples" / "step_000002.jsonl").read_text().splitlines()]
     held = [json.loads(line)["prompt"] for line in (ASSETS / "prompts" / "shapes_heldout.jsonl").open()][:4]
     assert [s["prompt"] for s in samples] == held and all(isinstance(s["response"], str) for s in samples)
+    assert all(s["caption"] == f"-> {s['response'].strip()}" for s in samples)  # the grid's line under the request
     from PIL import Image
 
     grid = Image.open(out / "samples" / "step_000002.png")  # the generator's renders of the rewrites
