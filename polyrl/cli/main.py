@@ -6,7 +6,7 @@
     polyrl eval checkpoint=DIR data.path=FILE [eval.scorers=[NAME,...]] [eval.compare_base=true] ...   benchmark a
                                            checkpoint, paired against its base (docs/evaluation.md)
     polyrl export checkpoint=DIR out=DIR [--merge]   a diffusers LoRA (pipe.load_lora_weights) or merged pipeline
-    polyrl pretrain-toy [--task shapes|motion|count|text] [--out DIR] ...   re-train an embedded toy base model
+    polyrl pretrain-toy [--task shapes|motion|count|text|rewrite] [--out DIR] ...   re-train an embedded toy base model
     polyrl bench [--tiny] [--workload sd35m|qwen_image|wan22_5b|wan22_a14b|grpo_lm] [--epochs 2] [overrides...]
                                            a published-size workload (docs/performance.md), timed per stage
     polyrl serve-reward reward=NAME [reward.k=v ...] [--host H] [--port N] [--token T]   a reward over HTTP

@@ -10,7 +10,8 @@ any real checkpoint.
 named in a scene description; `model=causal_lm` loads it.
 
 `--task rewrite` (`pretrain_rewrite.py`): the toy prompt rewriter, a tiny Qwen3-class causal LM that rewrites
-shapes requests (carelessly) for the frozen toy_shapes generator; `recipe=toy_rewriter` trains it through that generator.
+shapes requests (carelessly) for the frozen toy_shapes generator; `recipe=toy_rewriter` trains it through that
+generator.
 
 `--task motion`: moving shapes (`polyrl.toy.motion_task`), a Wan2.1-layout text-to-video model trained the same
 way (`pretrain_motion`): an AutoencoderKLWan on rendered clips, then the WanTransformer3DModel and its UMT5 encoder
@@ -413,7 +414,7 @@ DEFAULTS = {
 
 
 def main(args: list[str]) -> int:
-    """`polyrl pretrain-toy [--task shapes|motion|count|text] [--device cuda] [--out DIR] ...`"""
+    """`polyrl pretrain-toy [--task shapes|motion|count|text|rewrite] [--device cuda] [--out DIR] ...`"""
     from ..config import ASSETS
 
     p = argparse.ArgumentParser(prog="polyrl pretrain-toy", description="train an embedded toy base model")
