@@ -5,47 +5,22 @@ checkpoint-size estimate and the free-space warning."""
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
+from checkpoint_helpers import (
+    FakeActor,
+    checkpoint_names,
+    logged_steps,
+    one_prompt_sampler,
+    same_weights,
+    step_weights,
+    train_args,
+)
 
-from polyrl.data.prompts import PromptSampler
 from polyrl.trainer import checkpoint as ck
 from polyrl.trainer import disk
-
-
-class _Actor:
-    """What save_checkpoint needs of an actor; `fail` raises that exception after the adapter file is written."""
-
-    def __init__(self, n: int = 4, fail: BaseException | None = None, old: bool = False):
-        self.w = torch.nn.Parameter(torch.arange(float(n)))
-        self.params = [self.w]
-        self.old_params = [self.w.detach().clone()] if old else None
-        self.optimizer = torch.optim.AdamW(self.params, lr=0.1)
-        self.w.grad = torch.ones(n)
-        self.optimizer.step()
-        self.fail = fail
-
-    def save_weights(self, directory):
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file({"transformer.w": self.w.detach().clone()}, str(directory / "adapter_model.safetensors"))
-        if self.old_params is not None:
-            save_file({"transformer.w": self.old_params[0]}, str(directory / "old_weights.safetensors"))
-        if self.fail is not None:
-            raise self.fail
-        (directory / "weights.json").write_text("{}")
-
-
-def _sampler():
-    return PromptSampler([{"prompt": "a"}], 0)
-
-
-def _names(run):
-    return sorted(p.name for p in (run / "checkpoints").iterdir())
 
 
 # ------------------------------------------------------------------------------------------- a full disk
@@ -56,11 +31,11 @@ def _names(run):
 ])
 def test_a_full_disk_is_disk_full_naming_path_size_and_last_checkpoint(tmp_path, error):
     first = ck.checkpoint_dir(tmp_path, 5)
-    ck.save_checkpoint(first, _Actor(), _sampler(), 5)
+    ck.save_checkpoint(first, FakeActor(), one_prompt_sampler(), 5)
     before = {p.name: p.read_bytes() for p in first.iterdir()}
     target = ck.checkpoint_dir(tmp_path, 6)
     with pytest.raises(disk.DiskFull) as info:
-        ck.save_checkpoint(target, _Actor(fail=error), _sampler(), 6, keep=1)
+        ck.save_checkpoint(target, FakeActor(fail=error), one_prompt_sampler(), 6, keep=1)
     e = info.value
     assert e.path == target and e.last == first and e.needed == disk.checkpoint_bytes(first)
     assert str(e) == (f"disk full: could not write the checkpoint {target} (needs about "
@@ -69,7 +44,7 @@ def test_a_full_disk_is_disk_full_naming_path_size_and_last_checkpoint(tmp_path,
     assert "\n" not in str(e) and isinstance(e, ck.UserError) and e.__cause__ is error
     assert str(e.with_resume("polyrl train x=1")).endswith("; free space, then resume with: polyrl train x=1")
     # the previous checkpoint is untouched (not rotated away either: keep=1 applies only after a complete write)
-    assert _names(tmp_path) == ["step_000005"]
+    assert checkpoint_names(tmp_path) == ["step_000005"]
     assert {p.name: p.read_bytes() for p in first.iterdir()} == before
     ck.read_checkpoint(first)
 
@@ -83,20 +58,20 @@ def test_torch_saves_short_write_is_a_full_disk_too(tmp_path, monkeypatch):
     target = ck.checkpoint_dir(tmp_path, 1)
     with pytest.raises(disk.DiskFull, match=re.escape(f"could not write the checkpoint {target} (needs about ")
                        + r".*no checkpoint has been written yet") as info:
-        ck.save_checkpoint(target, _Actor(), _sampler(), 1)
-    assert info.value.needed == disk.estimate_checkpoint_bytes(_Actor())  # nothing on disk yet: the estimate
-    assert _names(tmp_path) == []
+        ck.save_checkpoint(target, FakeActor(), one_prompt_sampler(), 1)
+    assert info.value.needed == disk.estimate_checkpoint_bytes(FakeActor())  # nothing on disk yet: the estimate
+    assert checkpoint_names(tmp_path) == []
 
 
 def test_other_failures_keep_their_type_and_leave_no_temp_directory(tmp_path):
     target = ck.checkpoint_dir(tmp_path, 1)
     with pytest.raises(ValueError, match="a bug"):
-        ck.save_checkpoint(target, _Actor(fail=ValueError("a bug")), _sampler(), 1)
+        ck.save_checkpoint(target, FakeActor(fail=ValueError("a bug")), one_prompt_sampler(), 1)
     with pytest.raises(ck.CheckpointError, match=re.escape(f"could not write checkpoint {target}: ")
                        + ".*Permission denied") as info:
-        ck.save_checkpoint(target, _Actor(fail=PermissionError(errno.EACCES, "Permission denied")), _sampler(), 1)
+        ck.save_checkpoint(target, FakeActor(fail=PermissionError(errno.EACCES, "Permission denied")), one_prompt_sampler(), 1)
     assert not isinstance(info.value, disk.DiskFull)
-    assert _names(tmp_path) == []
+    assert checkpoint_names(tmp_path) == []
 
 
 def test_is_disk_full_reads_causes_and_not_unrelated_errors():
@@ -130,36 +105,36 @@ def test_rotation_keeps_the_newest_and_the_best_and_deletes_nothing_on_a_failed_
     scores = {1: 0.5, 2: 0.9, 3: 0.1, 4: 0.2, 5: 0.3}
     deleted = []
     for step in range(1, 6):
-        deleted += ck.save_checkpoint(ck.checkpoint_dir(tmp_path, step), _Actor(), _sampler(), step, keep=2,
+        deleted += ck.save_checkpoint(ck.checkpoint_dir(tmp_path, step), FakeActor(), one_prompt_sampler(), step, keep=2,
                                       scores={s: r for s, r in scores.items() if s <= step})
-    assert _names(tmp_path) == ["step_000002", "step_000004", "step_000005"]  # newest two + the best (step 2)
+    assert checkpoint_names(tmp_path) == ["step_000002", "step_000004", "step_000005"]  # newest two + the best (step 2)
     assert [ck.checkpoint_step(p) for p in deleted] == [1, 3]
     # without scores (keep_best=false) only the newest two
     for step in (6, 7):
-        ck.save_checkpoint(ck.checkpoint_dir(tmp_path, step), _Actor(), _sampler(), step, keep=2)
-    assert _names(tmp_path) == ["step_000006", "step_000007"]
+        ck.save_checkpoint(ck.checkpoint_dir(tmp_path, step), FakeActor(), one_prompt_sampler(), step, keep=2)
+    assert checkpoint_names(tmp_path) == ["step_000006", "step_000007"]
     # a failing write rotates nothing away
     with pytest.raises(disk.DiskFull):
-        ck.save_checkpoint(ck.checkpoint_dir(tmp_path, 8), _Actor(fail=OSError(errno.ENOSPC, "full")), _sampler(),
+        ck.save_checkpoint(ck.checkpoint_dir(tmp_path, 8), FakeActor(fail=OSError(errno.ENOSPC, "full")), one_prompt_sampler(),
                            8, keep=1)
-    assert _names(tmp_path) == ["step_000006", "step_000007"]
+    assert checkpoint_names(tmp_path) == ["step_000006", "step_000007"]
 
 
 def test_a_kill_in_the_middle_of_a_rotation_leaves_a_del_that_resume_removes(tmp_path):
     for step in (1, 2):
-        ck.save_checkpoint(ck.checkpoint_dir(tmp_path, step), _Actor(), _sampler(), step)
+        ck.save_checkpoint(ck.checkpoint_dir(tmp_path, step), FakeActor(), one_prompt_sampler(), step)
     doomed = ck.checkpoint_dir(tmp_path, 1)
     doomed.rename(doomed.with_name("step_000001.del"))  # renamed, then killed before the removal
     (doomed.with_name("step_000001.del") / "weights.json").unlink()  # ... partly removed
     assert ck.list_checkpoints(tmp_path) == [ck.checkpoint_dir(tmp_path, 2)]
     assert ck.clean_stale(tmp_path) == [f"removed {doomed}.del (a rotated-out checkpoint whose deletion was "
                                         "interrupted)"]
-    assert _names(tmp_path) == ["step_000002"]
+    assert checkpoint_names(tmp_path) == ["step_000002"]
 
 
 def test_a_failed_deletion_is_reported_and_skipped(tmp_path, monkeypatch):
     for step in (1, 2, 3):
-        ck.save_checkpoint(ck.checkpoint_dir(tmp_path, step), _Actor(), _sampler(), step)
+        ck.save_checkpoint(ck.checkpoint_dir(tmp_path, step), FakeActor(), one_prompt_sampler(), step)
     real = ck.Path.rename
 
     def refuse(self, target):
@@ -173,15 +148,15 @@ def test_a_failed_deletion_is_reported_and_skipped(tmp_path, monkeypatch):
     assert deleted == [ck.checkpoint_dir(tmp_path, 2)]
     assert said == [f"polyrl: warning: could not delete the old checkpoint {ck.checkpoint_dir(tmp_path, 1)} "
                     f"([Errno 13] Permission denied: '{ck.checkpoint_dir(tmp_path, 1)}')"]
-    assert _names(tmp_path) == ["step_000001", "step_000003"]
+    assert checkpoint_names(tmp_path) == ["step_000001", "step_000003"]
 
 
 # ------------------------------------------------------------------------------------------- free space
 def test_the_estimate_is_close_to_a_written_checkpoint(tmp_path):
     for old in (False, True):
-        actor = _Actor(n=50_000, old=old)
+        actor = FakeActor(n=50_000, old=old)
         ckpt = ck.checkpoint_dir(tmp_path / str(old), 1)
-        ck.save_checkpoint(ckpt, actor, _sampler(), 1)
+        ck.save_checkpoint(ckpt, actor, one_prompt_sampler(), 1)
         written = disk.checkpoint_bytes(ckpt)
         expected = 50_000 * 4 * (3 + old)  # fp32 weights (+ the old copy) + AdamW's exp_avg and exp_avg_sq
         assert disk.estimate_checkpoint_bytes(actor) == expected + 32 * 1024
@@ -225,16 +200,7 @@ def test_human_bytes():
 
 # ------------------------------------------------------------------------------------------- the CLI, end to end
 def _train(tiny_sd3_dir, shape_prompts_file, out, steps, *extra):
-    return ["train", f"model.path={tiny_sd3_dir}", f"data.path={shape_prompts_file}", f"trainer.output_dir={out}",
-            f"trainer.max_steps={steps}", "rollout.height=32", "rollout.width=32", "rollout.num_steps=3",
-            "rollout.n=2", "data.prompts_per_step=2", "rollout.batch_size=4", "model.max_sequence_length=16",
-            "trainer.progress=false", "trainer.tensorboard=false", "trainer.eval_every=0", "trainer.save_every=1",
-            "trainer.deterministic=true", "reward=jpeg_compressibility", "rollout.sde_window_size=2",
-            "rollout.sde_window_range=[0,1]", "trainer.resume=auto", *extra]
-
-
-def _steps(run):
-    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return train_args(tiny_sd3_dir, shape_prompts_file, out, steps, "trainer.resume=auto", *extra)
 
 
 def test_disk_full_during_a_checkpoint_is_one_line_and_resume_continues(tiny_sd3_dir, shape_prompts_file, tmp_path,
@@ -269,10 +235,8 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_resume_continues(tiny_sd3
     ck.read_checkpoint(last)
     monkeypatch.setattr(ck.torch, "save", real_save)  # space freed
     assert main(_train(tiny_sd3_dir, shape_prompts_file, run, 4)) == 0
-    assert _steps(run) == [1, 2, 3, 4] == _steps(reference)
-    a = load_file(str(ck.checkpoint_dir(run, 4) / "adapter_model.safetensors"))
-    b = load_file(str(ck.checkpoint_dir(reference, 4) / "adapter_model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert logged_steps(run) == [1, 2, 3, 4] == logged_steps(reference)
+    assert same_weights(step_weights(run, 4), step_weights(reference, 4))
 
 
 @pytest.fixture
@@ -326,7 +290,7 @@ def test_a_disk_that_fills_between_steps_is_one_line_after_one_warning(tiny_sd3_
     filler.unlink()
     monkeypatch.setattr(SampleFiles, "write", real_write)
     assert main(_train(tiny_sd3_dir, shape_prompts_file, run, 4, *extra)) == 0
-    assert _steps(run) == [0, 1, 2, 3, 4]
+    assert logged_steps(run) == [0, 1, 2, 3, 4]
     assert ck.list_checkpoints(run) == [ck.checkpoint_dir(run, 4)]  # keep_checkpoints=1 rotated step 2 away
 
 
@@ -355,8 +319,8 @@ def test_a_run_that_fails_before_its_first_checkpoint_logs_step_0_once_after_res
     extra = ("trainer.eval_every=1", "trainer.eval_samples=2", "trainer.num_validation=0")
     monkeypatch.setattr(ck.torch, "save", full)
     assert main(_train(tiny_sd3_dir, shape_prompts_file, run, 2, *extra)) == 2
-    assert _steps(run) == [0, 1] and ck.list_checkpoints(run) == []
+    assert logged_steps(run) == [0, 1] and ck.list_checkpoints(run) == []
     assert "no checkpoint has been written yet; free space, then resume with: " in capsys.readouterr().err
     monkeypatch.setattr(ck.torch, "save", real_save)
     assert main(_train(tiny_sd3_dir, shape_prompts_file, run, 2, *extra)) == 0
-    assert _steps(run) == [0, 1, 2]
+    assert logged_steps(run) == [0, 1, 2]

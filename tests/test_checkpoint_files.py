@@ -11,6 +11,15 @@ import shutil
 
 import pytest
 import torch
+from checkpoint_helpers import (
+    FakeActor,
+    checkpoint_names,
+    metrics,
+    one_prompt_sampler,
+    same_weights,
+    step_weights,
+    train_args,
+)
 from safetensors.torch import load_file, save_file
 
 from polyrl.cli.main import main
@@ -19,25 +28,11 @@ from polyrl.trainer import checkpoint as ck
 from polyrl.trainer import disk
 
 
-def _args(model_dir, prompts, out, steps, *extra):
-    return ["train", f"model.path={model_dir}", f"data.path={prompts}", f"trainer.output_dir={out}",
-            f"trainer.max_steps={steps}", "rollout.height=32", "rollout.width=32", "rollout.num_steps=3",
-            "rollout.n=2", "data.prompts_per_step=2", "rollout.batch_size=4", "model.max_sequence_length=16",
-            "trainer.progress=false", "trainer.tensorboard=false", "trainer.eval_every=0", "trainer.save_every=1",
-            "trainer.deterministic=true", "reward=jpeg_compressibility", "rollout.sde_window_size=2",
-            "rollout.sde_window_range=[0,1]", *extra]
-
-
-def _metrics(run):
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/achieved"))}
-            for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_sd3_dir, shape_prompts_file, tmp_path_factory):
     """An uninterrupted 3-step run with a checkpoint after every step (the runs below are copies of it)."""
     run = tmp_path_factory.mktemp("ref") / "run"
-    assert main(_args(tiny_sd3_dir, shape_prompts_file, run, 3)) == 0
+    assert main(train_args(tiny_sd3_dir, shape_prompts_file, run, 3)) == 0
     return run
 
 
@@ -53,15 +48,13 @@ def run(reference, tmp_path):
 
 
 def _resume(tiny_sd3_dir, shape_prompts_file, run, capsys, steps=3, *extra):
-    code = main(_args(tiny_sd3_dir, shape_prompts_file, run, steps, "trainer.resume=auto", *extra))
+    code = main(train_args(tiny_sd3_dir, shape_prompts_file, run, steps, "trainer.resume=auto", *extra))
     return code, capsys.readouterr().err
 
 
 def _same_as_reference(run, reference):
-    assert _metrics(run) == _metrics(reference)
-    a = load_file(str(run / "checkpoints" / "step_000003" / "adapter_model.safetensors"))
-    b = load_file(str(reference / "checkpoints" / "step_000003" / "adapter_model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert metrics(run) == metrics(reference)
+    assert same_weights(step_weights(run, 3), step_weights(reference, 3))
 
 
 def test_a_checkpoint_lists_the_checksums_of_its_files(reference):
@@ -120,7 +113,7 @@ def test_nan_weights_without_checksums_are_detected(run, tiny_sd3_dir, shape_pro
                                                            "holds 1 non-finite values")):
         ck.read_checkpoint(ckpt)
     # trainer.resume=DIR names one checkpoint: no fallback, one error line naming the file
-    code = main(_args(tiny_sd3_dir, shape_prompts_file, run, 3, f"trainer.resume={ckpt}"))
+    code = main(train_args(tiny_sd3_dir, shape_prompts_file, run, 3, f"trainer.resume={ckpt}"))
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("polyrl:")]
     assert code == 2 and errors == [f"polyrl: error: {ckpt / 'adapter_model.safetensors'}: tensor {key} holds 1 "
                                     "non-finite values (NaN/inf)"]
@@ -181,34 +174,16 @@ def test_a_malformed_metrics_line_before_the_last_is_named(tiny_sd3_dir, shape_p
 
 
 # ------------------------------------------------------------------------------------------- the writer alone
-class _Actor:
-    """What save_checkpoint needs of an actor: an optimizer and save_weights."""
-
-    def __init__(self, fail_after: int | None = None):
-        self.w = torch.nn.Parameter(torch.arange(4.0))
-        self.optimizer = torch.optim.AdamW([self.w], lr=0.1)
-        self.w.grad = torch.ones(4)
-        self.optimizer.step()
-        self.fail = fail_after
-
-    def save_weights(self, directory):
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file({"transformer.w": self.w.detach().clone()}, str(directory / "adapter_model.safetensors"))
-        if self.fail is not None:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        (directory / "weights.json").write_text("{}")
-
-
 def test_a_full_disk_leaves_the_previous_checkpoint_and_no_temp_directory(tmp_path):
-    sampler = PromptSampler([{"prompt": "a"}], 0)
+    sampler = one_prompt_sampler()
     ckpt = ck.checkpoint_dir(tmp_path, 5)
-    ck.save_checkpoint(ckpt, _Actor(), sampler, 5)
+    ck.save_checkpoint(ckpt, FakeActor(), sampler, 5)
     before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
     with pytest.raises(disk.DiskFull, match=re.escape(f"disk full: could not write the checkpoint {ckpt} (needs about ")
                        + ".*" + re.escape(f"the last complete checkpoint is {ckpt}")):
-        ck.save_checkpoint(ckpt, _Actor(fail_after=1), sampler, 5)
+        ck.save_checkpoint(ckpt, FakeActor(fail=OSError(errno.ENOSPC, "No space left on device")), sampler, 5)
     assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000005"]
+    assert checkpoint_names(tmp_path) == ["step_000005"]
 
 
 def test_the_trainer_state_round_trips_with_weights_only(tmp_path):
@@ -216,7 +191,7 @@ def test_the_trainer_state_round_trips_with_weights_only(tmp_path):
 
     import numpy as np
 
-    actor, sampler = _Actor(), PromptSampler([{"prompt": "a"}, {"prompt": "b"}], 0)
+    actor, sampler = FakeActor(), PromptSampler([{"prompt": "a"}, {"prompt": "b"}], 0)
     sampler.next(3)
     random.seed(7)
     np.random.seed(7)
@@ -225,7 +200,7 @@ def test_the_trainer_state_round_trips_with_weights_only(tmp_path):
     expected = (random.random(), float(np.random.rand()), float(torch.rand(())))
     random.seed(0)
     np.random.seed(0)
-    other, sampler2 = _Actor(), PromptSampler([{"prompt": "a"}, {"prompt": "b"}], 0)
+    other, sampler2 = FakeActor(), PromptSampler([{"prompt": "a"}, {"prompt": "b"}], 0)
     other.load_weights = lambda d: None
     state = ck.load_checkpoint(ckpt, other, sampler2)
     assert state["step"] == 1 and state["note"] == "x" and sampler2.state_dict() == sampler.state_dict()

@@ -3,7 +3,6 @@ equals an uninterrupted one; data-parallel ranks stop together after the same st
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -11,8 +10,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from safetensors.torch import load_file
+from checkpoint_helpers import checkpoint_names, metrics, same_weights, step_weights, train_args, weights
 
 from polyrl.actor.local import LocalActor
 from polyrl.cli.main import main
@@ -40,25 +38,7 @@ class SignalReward:
 
 
 def _args(model_dir, prompts, out, steps, *extra):
-    return ["train", f"model.path={model_dir}", f"data.path={prompts}", f"trainer.output_dir={out}",
-            f"trainer.max_steps={steps}", "rollout.height=32", "rollout.width=32", "rollout.num_steps=3",
-            "rollout.n=2", "data.prompts_per_step=2", "rollout.batch_size=4", "model.max_sequence_length=16",
-            "trainer.progress=false", "trainer.tensorboard=false", "trainer.eval_every=0", "trainer.save_every=1",
-            "trainer.deterministic=true", "reward=test_signal", "rollout.sde_window_size=2",
-            "rollout.sde_window_range=[0,1]", "actor.num_minibatches=2", *extra]
-
-
-def _metrics(run):
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/achieved"))}
-            for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def _weights(ckpt):
-    return load_file(str(ckpt / "adapter_model.safetensors"))
-
-
-def _equal(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return train_args(model_dir, prompts, out, steps, "actor.num_minibatches=2", *extra, reward="test_signal")
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +64,14 @@ def test_sigterm_during_a_rollout_abandons_it_and_the_printed_command_resumes_ex
     assert code == 128 + signal.SIGTERM, err
     ckpt = run / "checkpoints" / "step_000002"
     assert f"polyrl: stopped by SIGTERM at step 2 of 4; saved checkpoint {ckpt} (step 2)" in err
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
-    assert [m["step"] for m in _metrics(run)] == [1, 2]  # the abandoned step 3 left nothing behind
-    assert _equal(_weights(ckpt), _weights(reference / "checkpoints" / "step_000002"))
+    assert checkpoint_names(run) == ["step_000002"]
+    assert [m["step"] for m in metrics(run)] == [1, 2]  # the abandoned step 3 left nothing behind
+    assert same_weights(weights(ckpt), step_weights(reference, 2))
     command = _resume_from_message(err)
     assert "reward.at=3" in command  # the same overrides (the counter restarts: it fires at call 3 of the new run)
     assert main(command) == 0
-    assert _metrics(run) == _metrics(reference)
-    assert _equal(_weights(run / "checkpoints" / "step_000004"), _weights(reference / "checkpoints" / "step_000004"))
+    assert metrics(run) == metrics(reference)
+    assert same_weights(step_weights(run, 4), step_weights(reference, 4))
 
 
 def test_a_first_signal_during_the_update_finishes_the_step(tiny_sd3_dir, shape_prompts_file, reference, tmp_path,
@@ -110,8 +90,8 @@ def test_a_first_signal_during_the_update_finishes_the_step(tiny_sd3_dir, shape_
     assert code == 128 + signal.SIGINT, err
     assert "polyrl: SIGINT: stopping after this step" in err
     assert "stopped by SIGINT at step 3 of 4" in err
-    assert _equal(_weights(run / "checkpoints" / "step_000003"), _weights(reference / "checkpoints" / "step_000003"))
-    assert _metrics(run) == _metrics(reference)[:3]
+    assert same_weights(step_weights(run, 3), step_weights(reference, 3))
+    assert metrics(run) == metrics(reference)[:3]
 
 
 def test_a_second_signal_during_the_update_rolls_it_back(tiny_sd3_dir, shape_prompts_file, reference, tmp_path,
@@ -132,10 +112,10 @@ def test_a_second_signal_during_the_update_rolls_it_back(tiny_sd3_dir, shape_pro
     assert code == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM at step 2 of 4" in err
     # the saved weights and optimizer are step 2's, not step 3's half-applied update
-    assert _equal(_weights(run / "checkpoints" / "step_000002"), _weights(reference / "checkpoints" / "step_000002"))
+    assert same_weights(step_weights(run, 2), step_weights(reference, 2))
     monkeypatch.setattr(LocalActor, "update", original)
     assert main(_resume_from_message(err)) == 0
-    assert _metrics(run) == _metrics(reference)
+    assert metrics(run) == metrics(reference)
 
 
 def test_a_signal_during_an_evaluation_abandons_it(tiny_sd3_dir, shape_prompts_file, tmp_path, capsys):
@@ -146,7 +126,7 @@ def test_a_signal_during_an_evaluation_abandons_it(tiny_sd3_dir, shape_prompts_f
     err = capsys.readouterr().err
     assert code == 128 + signal.SIGTERM, err
     assert "polyrl: evaluation at step 2 abandoned" in err and "stopped by SIGTERM at step 2 of 4" in err
-    rows = _metrics(run)
+    rows = metrics(run)
     assert [m["step"] for m in rows] == [0, 1, 2] and "eval/reward_mean" not in rows[2]
     assert (run / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
 
@@ -176,7 +156,7 @@ def test_a_failing_step_saves_the_last_completed_one_and_a_plot_error_does_not_h
     ckpt = run / "checkpoints" / "step_000002"
     assert f"polyrl: the run failed in step 3 (RuntimeError); saved checkpoint {ckpt} (step 2)" in err
     assert "could not write" in err and "the plot broke" in err
-    assert _equal(_weights(ckpt), _weights(reference / "checkpoints" / "step_000002"))
+    assert same_weights(weights(ckpt), step_weights(reference, 2))
 
 
 def test_a_non_finite_gradient_stops_with_one_line_and_a_rolled_back_checkpoint(
@@ -196,7 +176,7 @@ def test_a_non_finite_gradient_stops_with_one_line_and_a_rolled_back_checkpoint(
     ckpt = run / "checkpoints" / "step_000002"
     assert f"polyrl: stopped: non-finite gradient norm nan\nsaved checkpoint {ckpt} (step 2)" in err
     assert "resume with: polyrl train" in err
-    assert _equal(_weights(ckpt), _weights(reference / "checkpoints" / "step_000002"))
+    assert same_weights(weights(ckpt), step_weights(reference, 2))
 
 
 def test_data_parallel_ranks_stop_together(tiny_sd3_dir, shape_prompts_file, tmp_path):
@@ -207,11 +187,12 @@ def test_data_parallel_ranks_stop_together(tiny_sd3_dir, shape_prompts_file, tmp
                  "trainer.device=cpu", "trainer.deterministic=false")
     # this test module registers the reward: import it in every rank (the CLI's --import)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "polyrl"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",  # tests/ on the path: checkpoint_helpers
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(launcher + [args[0], "--import", __file__, *args[1:]], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "stopped by SIGTERM at step 2 of 4" in out.stderr, out.stderr[-3000:]
-    assert [m["step"] for m in _metrics(run)] == [1, 2]
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
+    assert [m["step"] for m in metrics(run)] == [1, 2]
+    assert checkpoint_names(run) == ["step_000002"]
     assert "exitcode  : 143" in out.stderr  # the rank that got the signal; torchrun then ends the other
