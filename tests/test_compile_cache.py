@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import torch
 from test_cli_train import _common
 
 SCRIPT = textwrap.dedent("""
@@ -74,6 +75,7 @@ def test_trainer_loads_before_building_and_saves_after_the_first_step(tiny_sd3_d
 
     calls = []
     monkeypatch.setattr(build, "compile_transformer", lambda network, mode: calls.append(("compile", mode)))
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: None)  # the SD3 adapter's VAE decoder
     monkeypatch.setattr(build, "load_compile_cache", lambda path: calls.append(("load", path)) or 0)
     monkeypatch.setattr(loop, "save_compile_cache", lambda path: calls.append(("save", path)) or 0)
     real_build = build.build_model
@@ -88,8 +90,8 @@ def test_trainer_loads_before_building_and_saves_after_the_first_step(tiny_sd3_d
     assert names[:2] == ["load", "build"] and calls[0][1] == cache
     assert [c for c in calls if c[0] == "save"] == [("save", cache)] * 3  # after step 1 and the checkpoints 2, 3
     calls.clear()
-    assert main([a for a in args if not a.startswith("trainer.output_dir")]
-                + [f"trainer.output_dir={tmp_path / 'off'}", "model.compile_cache=null"]) == 0
+    assert main([a for a in args if not a.startswith(("trainer.output_dir", "trainer.max_steps"))]
+                + [f"trainer.output_dir={tmp_path / 'off'}", "trainer.max_steps=1", "model.compile_cache=null"]) == 0
     cached = [c for c in calls if c[0] in ("load", "save")]
     assert cached and all(path is None for _, path in cached)  # model.compile_cache=null: no file anywhere
 
@@ -100,6 +102,7 @@ def test_unreadable_cache_is_a_warning_and_the_run_goes_on(tiny_sd3_dir, shape_p
     from polyrl.cli.main import main
 
     monkeypatch.setattr(loop, "compile_transformer", lambda network, mode: None)  # the load is what is tested
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: None)  # the SD3 adapter's VAE decoder
     bad = tmp_path / "stale.bin"
     bad.write_bytes(b"not a torch cache")
     args = _common(tiny_sd3_dir, shape_prompts_file, tmp_path / "run", 1, ["trainer.eval_every=0",
