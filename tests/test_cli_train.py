@@ -24,10 +24,11 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_steps_on_tiny_sd3(tiny_sd3_dir, shape_prompts_file, tmp_path):
+def test_two_steps_on_tiny_sd3_then_a_fresh_run_refuses_its_dir(tiny_sd3_dir, shape_prompts_file, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(_common(tiny_sd3_dir, shape_prompts_file, out, 2, ["trainer.eval_every=2", "trainer.save_every=2",
-                                                                   "algorithm.kl_beta=0.04", "trainer.tensorboard=true"])) == 0
+    args = _common(tiny_sd3_dir, shape_prompts_file, out, 2, ["trainer.eval_every=2", "trainer.save_every=2",
+                                                             "algorithm.kl_beta=0.04", "trainer.tensorboard=true"])
+    assert main(args) == 0
     rows = _metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for key in ("reward/mean", "reward/std", "zero_std_ratio", "loss", "clip_frac", "kl", "grad_norm",
@@ -47,6 +48,10 @@ def test_two_steps_on_tiny_sd3(tiny_sd3_dir, shape_prompts_file, tmp_path):
     grid = tmp_path / "grid.png"
     assert main(["sample", f"checkpoint={ckpt}", "n=4", f"out={grid}"]) == 0
     assert grid.is_file()
+    # the same command again, without trainer.resume: the run directory holds a checkpoint, so it refuses
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "trainer.resume=auto" in capsys.readouterr().err
 
 
 def test_num_validation_zero_evaluates_without_writing_sample_grids(tiny_sd3_dir, shape_prompts_file, tmp_path):
@@ -56,14 +61,6 @@ def test_num_validation_zero_evaluates_without_writing_sample_grids(tiny_sd3_dir
     rows = _metrics(out)
     assert "eval/reward_mean" in rows[0] and "eval/reward_mean" in rows[1]
     assert not list(out.glob("samples/step_*.png")) and list(out.glob("samples/step_*.jsonl"))
-
-
-def test_fresh_run_refuses_existing_run_dir(tiny_sd3_dir, shape_prompts_file, tmp_path, capsys):
-    out = tmp_path / "run"
-    args = _common(tiny_sd3_dir, shape_prompts_file, out, 1, ["trainer.eval_every=0", "trainer.save_every=1"])
-    assert main(args) == 0
-    assert main(args) == 2
-    assert "trainer.resume=auto" in capsys.readouterr().err
 
 
 def test_resume_matches_uninterrupted_run(tiny_sd3_dir, shape_prompts_file, tmp_path):
