@@ -41,17 +41,14 @@ CASES = {
     "grpo_guard": ["algorithm=grpo_guard", "algorithm.kl_beta=0.1"],
     "dance_grpo": ["algorithm=dance_grpo"],
     "mix_grpo": ["algorithm=mix_grpo", "rollout.sde_window_every=1"],
-    "diffusion_nft": ["algorithm=diffusion_nft", "rollout.noise_level=0.0", "rollout.guidance_scale=1.0",
-                      "algorithm.ref_coef=0.1"],
     "diffusion_dpo": ["algorithm=diffusion_dpo"],
-    "dgpo": ["algorithm=dgpo", "rollout.noise_level=0.0", "algorithm.kl_beta=0.1", "algorithm.num_timesteps=2"],
+    # diffusion_nft and dgpo train in test_resume_with_old_copy_matches_uninterrupted_run (its options: RESUMED)
     "awm": ["algorithm=awm", "algorithm.kl_beta=0.1", "algorithm.num_timesteps=2"],
 }
 KEYS = {
     "flow_grpo_cps": ("clip_frac", "kl"), "flow_grpo_dance": ("clip_frac",), "flow_dppo": ("drop_frac", "kl"),
     "grpo_guard": ("clip_frac", "kl"), "dance_grpo": ("clip_frac",), "mix_grpo": ("clip_frac",),
-    "diffusion_nft": ("nft/err_pos", "ref_mse"), "diffusion_dpo": ("dpo/accuracy",),
-    "dgpo": ("clip_frac", "dgpo/group_weight", "kl"), "awm": ("clip_frac", "kl"),
+    "diffusion_dpo": ("dpo/accuracy",), "awm": ("clip_frac", "kl"),
 }
 
 
@@ -156,17 +153,25 @@ def test_deterministic_runs_are_identical(tiny_sd3_dir, shape_prompts_file, tmp_
 
 
 RESUMED = {  # the old copy moves after every update (NFT) or after every optimizer step (DGPO)
-    "diffusion_nft": ["algorithm=diffusion_nft", "algorithm.decay=0.5", "algorithm.decay_slope=0.1"],
-    "dgpo": ["algorithm=dgpo", "algorithm.num_timesteps=1", "algorithm.ema_ramp_rate=0.2"],
+    "diffusion_nft": ["algorithm=diffusion_nft", "rollout.guidance_scale=1.0", "algorithm.ref_coef=0.1",
+                      "algorithm.decay=0.5", "algorithm.decay_slope=0.1"],
+    "dgpo": ["algorithm=dgpo", "algorithm.kl_beta=0.1", "algorithm.num_timesteps=2", "algorithm.ema_ramp_rate=0.2"],
 }
+KEYS |= {"diffusion_nft": ("nft/err_pos", "ref_mse"), "dgpo": ("clip_frac", "dgpo/group_weight", "kl")}
 
 
 @pytest.mark.parametrize("algo", sorted(RESUMED))
 def test_resume_with_old_copy_matches_uninterrupted_run(tiny_sd3_dir, shape_prompts_file, tmp_path, algo):
-    """The EMA (old) copy and its update count are checkpointed: 2 + 1 steps == 3 steps, weights bitwise."""
+    """The EMA (old) copy and its update count are checkpointed: 2 + 1 steps == 3 steps, weights bitwise. The
+    uninterrupted run is also these algorithms' training check (test_algorithm_trains_two_steps's asserts)."""
     extra = ["trainer.deterministic=true", "trainer.save_every=1", "rollout.noise_level=0.0", *RESUMED[algo]]
     full, split = tmp_path / "full", tmp_path / "split"
     assert main(_args(tiny_sd3_dir, shape_prompts_file, full, 3, extra)) == 0
+    rows = _metrics(full)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in ("loss", "grad_norm", *KEYS[algo]):
+        assert key in rows[0], (algo, key)
+    assert all(r["loss"] == r["loss"] for r in rows) and rows[0]["grad_norm"] > 0
     assert main(_args(tiny_sd3_dir, shape_prompts_file, split, 2, extra)) == 0
     assert main(_args(tiny_sd3_dir, shape_prompts_file, split, 3, extra + ["trainer.resume=auto"])) == 0
     assert _strip_times(_metrics(full)) == _strip_times(_metrics(split))
