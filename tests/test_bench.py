@@ -88,12 +88,10 @@ def test_bench_under_torchrun_reports_per_gpu_rates_and_the_one_process_numbers(
     written, the rate is per step and per GPU, and the step's numbers are the one-process run's (same global batch)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     args = ["bench", "--tiny", "--epochs", "1", "--warmup", "0", "trainer.progress=false"]
-    one = subprocess.run([sys.executable, "-m", "polyrl", *args, "--out", str(tmp_path / "one")], env=env,
-                         capture_output=True, text=True, timeout=300)
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0  # the one-process run: in this process
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
                           "polyrl", *args, "--out", str(tmp_path / "two")], env=env, capture_output=True, text=True,
                          timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("images/s per GPU (2 GPUs)") == 1  # rank 0 alone prints the table
     a, b = (json.loads((tmp_path / d / "bench.json").read_text()) for d in ("one", "two"))
