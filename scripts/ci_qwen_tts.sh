@@ -20,7 +20,8 @@ BASE_PY="${PYTHON:-python}"
 ENV_DIR="${POLYRL_QWEN_TTS_ENV:-${TMPDIR:-/tmp}/polyrl-qwen-tts-env}"
 PY="$ENV_DIR/bin/python"
 STAMP="$ENV_DIR/.polyrl-qwen-tts-ready"
-BASE_SITE="$("$BASE_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+# the main environment's site directories (pure and platform packages, where a system Python keeps them apart)
+BASE_SITE="$("$BASE_PY" -c 'import site; print(repr(site.getsitepackages()))')"
 WANT="$( (cat "$0" pyproject.toml; echo "$BASE_SITE $PWD") | sha256sum | cut -c1-16)"
 start=$SECONDS
 
@@ -29,7 +30,9 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]]; then
     "$BASE_PY" -m venv --clear "$ENV_DIR"
     SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     # the main environment's site-packages after this one's (its .pth files too: polyrl's editable install)
-    echo "import site; site.addsitedir('$BASE_SITE')" > "$SITE/zz_polyrl_main_env.pth"
+    echo "import site; list(map(site.addsitedir, $BASE_SITE))" > "$SITE/zz_polyrl_main_env.pth"
+    # the main environment's torch must be the one seen here: pip would otherwise install a (CUDA) torch
+    "$PY" -c "import torch" || { echo "ci_qwen_tts: the main environment's torch is not visible from $ENV_DIR"; exit 1; }
     "$PY" -m pip install -q -e ".[tts]"  # polyrl's tts extra: transformers 4.57.3, librosa, soundfile, einops
     "$PY" -m pip install -q --no-deps qwen-tts==0.1.1
     "$PY" - <<'EOC'

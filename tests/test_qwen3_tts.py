@@ -148,6 +148,12 @@ def build_tiny_tts(path):
         encoder_valid_num_quantizers=GROUPS, input_sample_rate=RATE, output_sample_rate=RATE,
         decode_upsample_rate=HOP, encode_downsample_rate=HOP)
     codec = Qwen3TTSTokenizerV2Model(codec_config)
+    with torch.no_grad():  # the codebooks start empty (a trained codec's running sums) and the init is tiny: a
+        for name, param in codec.named_parameters():  # random codebook and unit-variance layers, or it is near silent
+            if name.endswith("_codebook.embedding_sum"):
+                param.normal_()
+            elif name.startswith("decoder.") and name.endswith("weight") and param.dim() > 1:
+                param.normal_(0, param[0].numel() ** -0.5)
     (path / "speech_tokenizer").mkdir()
     codec.save_pretrained(path / "speech_tokenizer")
     EncodecFeatureExtractor(feature_size=1, sampling_rate=RATE).save_pretrained(path / "speech_tokenizer")
@@ -246,7 +252,9 @@ def test_the_audio_is_the_codecs_decode_of_the_whole_frames(policy, sampled):
         whole = n // GROUPS
         with torch.no_grad():
             want = policy.codec.model.decode(row[: whole * GROUPS].reshape(1, whole, GROUPS)).audio_values[0]
-        assert torch.allclose(audio.waveform[i, 0, : whole * HOP], want, atol=1e-6)
+        # its codes alone (float32 kernels of other batch sizes differ by ~1e-5 through this random codec)
+        assert torch.allclose(audio.waveform[i, 0, : whole * HOP], want, atol=1e-4)
+        assert want.abs().max() > 1e-3  # speech, not silence
         assert (audio.waveform[i, 0, whole * HOP:] == 0).all()
 
 

@@ -265,7 +265,8 @@ class Qwen3TTSPolicy:
     @torch.no_grad()
     def decode_media(self, tokens) -> dict[str, Audio]:
         """A chunk's responses (a `TokenBatch`) -> {"audio": Audio (B, 1, samples)}: each response's whole frames
-        (its EOS frame and a cut last frame left out) through the codec, zero padded to max_new_tokens / G frames."""
+        (its EOS frame and a cut last frame left out) through the codec, zero padded to max_new_tokens / G frames;
+        a clip is the codec's decode of its codes alone."""
         g, width = self.groups, tokens.response_ids.shape[1]
         if width % g:
             raise UserError(f"rollout.max_new_tokens={width} must be a multiple of this checkpoint's "
@@ -275,10 +276,12 @@ class Qwen3TTSPolicy:
         for row, n in zip(tokens.response_ids, tokens.response_mask.sum(1).tolist(), strict=True):
             whole = int(n) // g
             codes.append(row[: whole * g].reshape(whole, g))
-        decode = [i for i, c in enumerate(codes) if len(c)]
-        if decode:
-            wavs, _ = self.codec.decode([{"audio_codes": codes[i].to(self.device)} for i in decode])
-            for i, wav in zip(decode, wavs, strict=True):
+        # rows of one length decode together: the codec's convolutions look past a shorter row's end into the
+        # padding of a batch, so a clip would depend on its chunk's other rows
+        for frames in sorted({len(c) for c in codes} - {0}):
+            rows = [i for i, c in enumerate(codes) if len(c) == frames]
+            wavs, _ = self.codec.decode([{"audio_codes": codes[i].to(self.device)} for i in rows])
+            for i, wav in zip(rows, wavs, strict=True):
                 wav = torch.as_tensor(wav).float().flatten()[: out.shape[-1]]
                 out[i, 0, : len(wav)] = wav
         return {"audio": Audio(out, self.rate)}
