@@ -6,9 +6,11 @@ Always run (the main environment, where the qwen-tts package is absent or does n
 
 Run where qwen-tts imports (the environment scripts/ci_qwen_tts.sh builds: transformers 4.57.3; skipped elsewhere,
 failed there when POLYRL_REQUIRE_QWEN_TTS=1): the prompt is the package's non-streaming talker input; the rollout's
-log-probs equal the teacher-forced recompute (1e-5) and the sampling distribution's masks (control ids, early EOS);
-the audio is the codec's decode of the whole frames; a 2-step `polyrl train model=qwen3_tts reward=asr_wer` run scores
-the speech with a scripted Whisper (1 − WER by hand), trains the LoRA and writes the wav and spectrogram samples.
+log-probs equal the teacher-forced recompute (1e-5) and obey the sampling distribution's masks (control ids, early
+EOS); every code's log-prob matches a float64 copy run through the package's own talker forward and code predictor
+training forward; gradients reach both decoders; the audio is the codec's decode of the whole frames; a 2-step
+`polyrl train model=qwen3_tts reward=asr_wer` run scores the speech with a scripted Whisper (1 − WER by hand),
+recomputes the rollout's log-probs in its first update and writes the wav and spectrogram samples.
 """
 
 from __future__ import annotations
@@ -239,6 +241,69 @@ def test_rollout_log_probs_equal_a_teacher_forced_recompute(policy, sampled):
     rollout = batch.log_probs[:, : mask.shape[1]]
     assert (rollout[mask] < 0).all() and (rollout[~mask] == 0).all()
     assert torch.allclose(recomputed, rollout, atol=1e-5)
+
+
+@needs_qwen_tts
+def test_log_probs_against_the_packages_own_forwards_in_float64(tts_dir, policy, sampled):
+    """Each row's rollout log-probs against a float64 copy of the network run through the package's own entry points:
+    the talker's `forward` (its positions from the attention mask) over prompt ⧺ frames for c⁰, and
+    `forward_sub_talker_finetune` (the package's training forward of the code predictor) for c¹ … c^{G−1}; log π is
+    log_softmax(logits / T) with the control ids and early EOS masked (the package's suppress_tokens and
+    min_new_tokens)."""
+    plan, batch = sampled
+    net = import_qwen_tts().from_pretrained(str(tts_dir), local_files_only=True).double().eval()
+    tokens = batch.tokens
+    ids, _ = policy.encode_prompts(PROMPTS * 2)
+    for row in range(len(tokens)):
+        n = int(tokens.response_mask[row].sum())
+        codes = tokens.response_ids[row, :n]
+        whole = n // GROUPS
+        frames = codes[: whole * GROUPS].reshape(whole, GROUPS)
+        with torch.no_grad():
+            prefill = policy.prefill_embeds(net, [i - V for i in ids[row]])
+            pad = net.talker.text_projection(net.talker.get_text_embeddings()(torch.tensor([[TTS_PAD]])))[0]
+            steps = [net.talker.get_input_embeddings()(frames[:, :1])]  # the package's frame input (talker forward)
+            steps += [net.talker.code_predictor.get_input_embeddings()[k](frames[:, k + 1: k + 2])
+                      for k in range(GROUPS - 1)]
+            inputs = torch.cat([prefill, torch.cat(steps, 1).sum(1) + pad])[None]
+            out = net.talker(inputs_embeds=inputs, attention_mask=torch.ones(1, inputs.shape[1], dtype=torch.long),
+                             output_hidden_states=True)
+            hidden = out.hidden_states[0][-1][0, len(prefill) - 1:]  # (whole + 1, D): the state scoring frame f
+            first = out.logits[0, len(prefill) - 1:] / plan.temperature
+            first[:, CODEBOOK:] = float("-inf")
+            eos = out.logits[0, len(prefill) - 1:, EOS] / plan.temperature
+            first[:, EOS] = torch.where(torch.arange(len(first)) < MIN_FRAMES, float("-inf"), eos)
+            want = torch.zeros(n, dtype=torch.float64)
+            first_lp = torch.log_softmax(first, -1)
+            for f in range(-(-n // GROUPS)):
+                want[f * GROUPS] = first_lp[f, codes[f * GROUPS]]
+            if whole:
+                sub, _ = net.talker.forward_sub_talker_finetune(frames, hidden[:whole])  # (whole, G − 1, Vc)
+                sub_lp = torch.log_softmax(sub / plan.temperature, -1)
+                for k in range(1, GROUPS):
+                    want[torch.arange(whole) * GROUPS + k] = sub_lp[:, k - 1].gather(-1, frames[:, k:k + 1])[:, 0]
+        assert torch.allclose(batch.log_probs[row, :n].double(), want, atol=1e-5), row
+
+
+@needs_qwen_tts
+def test_the_recompute_is_differentiable_through_both_decoders(policy, sampled):
+    from polyrl.sampling.tokens import response_token_log_probs
+
+    plan, batch = sampled
+    talker = policy.network.talker
+    params = {"talker layer": talker.model.layers[0].self_attn.q_proj.weight, "codec head": talker.codec_head.weight,
+              "predictor layer": talker.code_predictor.model.layers[0].mlp.down_proj.weight,
+              "last predictor head": talker.code_predictor.lm_head[GROUPS - 2].weight}
+    for param in params.values():
+        param.requires_grad_(True)
+    try:
+        response_token_log_probs(policy, batch.tokens.trimmed(), {}, plan.temperature).sum().backward()
+        for name, param in params.items():
+            assert param.grad is not None and param.grad.abs().sum() > 0, name
+    finally:
+        for param in params.values():
+            param.requires_grad_(False)
+            param.grad = None
 
 
 @needs_qwen_tts
