@@ -29,6 +29,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+def train_in_process(args: list[str]) -> None:
+    """`polyrl train ARGS` in this process at one CPU thread: the one-process reference of a `torchrun` test (each
+    rank runs with OMP_NUM_THREADS=1), without starting a Python of its own."""
+    from polyrl.cli.main import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["train", *args]) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 SHAPE_PROMPTS = [
     "two red circles above a blue square",
     "a green triangle",

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from conftest import train_in_process
 from safetensors.torch import load_file
 
 from polyrl.distributed import LocalEngine, ParallelDims
@@ -23,10 +24,10 @@ from polyrl.distributed.dims import shard_range
 SKIP = ("time/", "perf/")
 
 
-def _run(args: list[str], cwd, nproc: int = 1) -> subprocess.CompletedProcess:
+def _run(args: list[str], cwd, nproc: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    launcher = [sys.executable, "-m", "polyrl"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "polyrl"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
+                "polyrl"]
     out = subprocess.run(launcher + ["train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
@@ -44,7 +45,7 @@ def test_two_process_run_equals_one_process_run_with_resume(tiny_sd3_dir, shape_
               "actor.num_minibatches=2", "algorithm.kl_beta=0.01", "trainer.eval_every=3", "trainer.eval_samples=4",
               "trainer.save_every=1", "trainer.progress=false", "trainer.tensorboard=false", "trainer.device=cpu"]
     one, two = tmp_path / "one", tmp_path / "two"
-    _run(common + ["trainer.max_steps=3", f"trainer.output_dir={one}"], tmp_path)
+    train_in_process(common + ["trainer.max_steps=3", f"trainer.output_dir={one}"])
     first = _run(common + ["trainer.max_steps=2", f"trainer.output_dir={two}"], tmp_path, nproc=2)
     assert "2 ranks: dp=2" in first.stderr
     assert (two / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()

@@ -61,9 +61,17 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def run_cli(args: list[str], cwd, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "polyrl"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "polyrl"]
+def run_cli(args: list[str], cwd, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess | None:
+    """`polyrl train ARGS` under `torchrun` with `nproc` ranks; nproc=1: the one-process reference, in this process
+    (`train_in_process`; returns None)."""
+    if nproc == 1:
+        from conftest import train_in_process
+
+        assert check, "the in-process run raises or asserts on failure"
+        train_in_process(args)
+        return None
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
+                "polyrl"]
     out = subprocess.run(launcher + ["train", *args], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
     if check:
         assert out.returncode == 0, out.stderr[-4000:]

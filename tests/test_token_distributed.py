@@ -10,16 +10,17 @@ import sys
 
 import pytest
 import torch
+from conftest import train_in_process
 from safetensors.torch import load_file
 
 ROWS = [{"prompt": f"question {i}: what comes after {i}?", "answer": str(i + 1)} for i in range(6)]
 SKIP = ("time/", "perf/")
 
 
-def _run(args, cwd, nproc=1):
+def _run(args, cwd, nproc=2):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    launcher = [sys.executable, "-m", "polyrl"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "polyrl"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
+                "polyrl"]
     out = subprocess.run(launcher + ["train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
@@ -41,7 +42,7 @@ def test_two_process_token_run_equals_one_process_run(tiny_qwen3_dir, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     one, two = tmp_path / "one", tmp_path / "two"
-    _run(_common(tiny_qwen3_dir, data) + [f"trainer.output_dir={one}"], tmp_path)
+    train_in_process(_common(tiny_qwen3_dir, data) + [f"trainer.output_dir={one}"])
     out = _run(_common(tiny_qwen3_dir, data) + [f"trainer.output_dir={two}"], tmp_path, nproc=2)
     assert "2 ranks: dp=2" in out.stderr
     m1, m2 = _metrics(one), _metrics(two)
