@@ -12,6 +12,7 @@ from polyrl.cli.main import main
 
 @pytest.mark.parametrize("extra, message", [
     (["algorithm=dgpo", "algorithm.clip_range=[0.1,0.2]"], "algorithm.clip_range=[0.1, 0.2] must be [low, high]"),
+    (["algorithm=awm", "algorithm.clip_range=0.1"], "algorithm.clip_range=0.1 must be [low, high]"),  # a scalar
     (["algorithm=dgpo", "algorithm.timestep_range=[0.7,0.2]"], "algorithm.timestep_range=[0.7, 0.2] must be"),
     (["algorithm=awm", "algorithm.weighting=cubic"], "algorithm.weighting='cubic'; allowed"),
     (["algorithm=awm", "algorithm.time_sampling=logit"], "algorithm.time_sampling='logit'; allowed"),

@@ -82,7 +82,7 @@ def check_time_range(timestep_range, num_timesteps: int, time_sampling: str) -> 
 
 def check_clip_range(clip_range, ratio: str = "the ratio") -> tuple[float, float]:
     """The validated [low, high] (low ≤ 0 ≤ high) of a ratio clipped to [1 + low, 1 + high]; a one-line error."""
-    clip = list(clip_range)
+    clip = list(clip_range) if isinstance(clip_range, (list, tuple)) else [clip_range]  # a recipe's scalar too
     if len(clip) != 2 or not float(clip[0]) <= 0 <= float(clip[1]):
         raise ValueError(f"algorithm.clip_range={clip_range} must be [low, high] with low <= 0 <= high "
                          f"({ratio} is clipped to [1 + low, 1 + high])")
