@@ -16,7 +16,7 @@ SLOW = {
     "test_ray_weight_sync.py", "test_reward_http_restart.py", "test_checkpoint_signals.py", "test_compile_cache.py",
     "test_bench.py",
     # many or long training runs (measured: tens of seconds to minutes each on 2 cores)
-    "test_algorithms_cli.py", "test_export.py", "test_wan_train.py", "test_pretrain_motion.py",
+    "test_algorithms_cli.py", "test_export.py", "test_wan_train.py", "test_pretrain_motion.py", "test_eval_toy.py",
     "test_bagel.py::test_two_flow_grpo_steps_through_the_cli",
     "test_cli_errors.py::test_serve_reward_imports_the_users_file",
 }
