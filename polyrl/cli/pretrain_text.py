@@ -22,12 +22,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..models.sd3 import encode_sd3_prompts
 from ..models.tiny import TinySD3Spec, build_tiny_sd3, fill_clip_g_slot
 from ..toy import text_task
+from .pretrain_loops import sd3_flow_calls, train_flow, train_vae
 
 TEXT_LENGTH = 16  # CLIP tokens: <bos>, four words, the quoted word of at most 6 letters, <eos> = 14
 OCR = {"name": "ocr", "detect": False, "threads": 1}  # recognition only: a sign is one line of text
@@ -87,19 +86,9 @@ def pretrain_text(
 
     # Phase 1: VAE reconstruction of freshly rendered signs.
     t0 = time.time()
-    vae = pipe.vae.train()
-    opt = torch.optim.Adam(vae.parameters(), lr=2e-3)
-    vae_losses: list[float] = []
-    for _ in (bar := tqdm(range(vae_steps), desc="vae", disable=not progress)):
-        x = (render_batch(rng.choices(train_words, k=vae_batch), rng) * 2 - 1).to(device)
-        post = vae.encode(x).latent_dist
-        loss = F.mse_loss(vae.decode(post.sample()).sample, x) + 1e-6 * post.kl().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        vae_losses.append(loss.item())
-        bar.set_postfix(mse=f"{loss.item():.4f}")
-    vae.eval().requires_grad_(False)
+    vae = pipe.vae
+    vae_losses = train_vae(vae, lambda: (render_batch(rng.choices(train_words, k=vae_batch), rng) * 2 - 1).to(device),
+                           vae_steps, progress=progress)
     timings["vae"] = time.time() - t0
 
     # A dataset of latents (rendering is cheap, encoding is not), and the OCR accuracy of reconstructions.
@@ -123,31 +112,8 @@ def pretrain_text(
 
     # Phase 2: rectified flow on the transformer + text encoder.
     t0 = time.time()
-    tr, te = pipe.transformer.train(), pipe.text_encoder.train()
-    params = list(tr.parameters()) + list(te.parameters())
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 200) * max(0.1, 1 - i / steps))
-    encoders, tokenizers = [pipe.text_encoder, None, None], [pipe.tokenizer, None, None]
-    flow_losses: list[float] = []
-    for _ in (bar := tqdm(range(steps), desc="flow", disable=not progress)):
-        idx = torch.randint(0, num_images, (batch,))
-        x0 = lat[idx.to(lat.device)]
-        cond = encode_sd3_prompts(encoders, tokenizers, ["" if rng.random() < 0.1 else prompts[i] for i in idx.tolist()],
-                                  tr.config, 0)
-        sigma = torch.sigmoid(torch.randn(batch, device=x0.device))
-        noise = torch.randn_like(x0)
-        s = sigma.view(-1, 1, 1, 1)
-        v = tr((1 - s) * x0 + s * noise, cond["prompt_embeds"], cond["pooled"], sigma * 1000, return_dict=False)[0]
-        loss = F.mse_loss(v, noise - x0)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        flow_losses.append(loss.item())
-        bar.set_postfix(loss=f"{loss.item():.4f}")
-    tr.eval()
-    te.eval()
+    flow_losses = train_flow([pipe.transformer, pipe.text_encoder], lat, prompts, *sd3_flow_calls(pipe), steps, batch,
+                             lr, rng, progress)
     timings["flow"] = time.time() - t0
 
     out = Path(out)
