@@ -66,3 +66,16 @@ def test_each_evaluation_prints_one_line_and_the_console_has_no_library_noise(ti
     assert main(["sample", f"checkpoint={ckpt}", "n=2"]) == 0
     assert sorted(p.name for p in ckpt.iterdir()) == before
     assert (run / "samples" / "sample_step_000002.png").is_file()
+
+
+def test_models_loaded_by_polyrl_never_fetch_hub_kernels(tmp_path, monkeypatch, capsys):
+    """transformers 5 turns Hub kernels on for every from_pretrained model when the `kernels` package is installed
+    (it is a transformers dependency); its .train() / .eval() on a GPU then downloads them and fails offline. The
+    CLI turns them off before any model loads."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    assert main(["--help"]) == 0
+    CLIPTextModel(CLIPTextConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                 vocab_size=32, max_position_embeddings=8)).save_pretrained(tmp_path)
+    assert CLIPTextModel.from_pretrained(tmp_path).use_kernels is False

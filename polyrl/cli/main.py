@@ -236,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # silences optional-backend notices
+    # transformers 5 with its `kernels` dependency swaps layers for Hub kernels at .train() / .eval() on a GPU, a
+    # download that fails offline (seen on an H100: a toy pretrain died at its final .eval()); polyrl loads nothing
+    # from the Hub
+    os.environ.setdefault("USE_HUB_KERNELS", "NO")
     quiet_libraries()
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
