@@ -850,6 +850,8 @@ class TextQwen3VLProcessor(Qwen3VLProcessor):
             attr = name.replace("_pad", "")
             setattr(self, f"{attr}_token", f"<|{name}|>")
             setattr(self, f"{attr}_token_id", tokenizer.convert_tokens_to_ids(f"<|{name}|>"))
+        # the tokenizer carries the same template: a load that finds no processor template still has one
+        chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
 
