@@ -12,28 +12,18 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 import polyrl.sampling.diffusion as diffusion
 from polyrl.cli.main import main
-from polyrl.latents import cat_latents
+
+draw_noise_step_major = diffusion.draw_noise
 
 
 def draw_noise_sample_major(shapes, plan, group_ids, generator, step=0, pin_memory=False):
-    def one():
-        return {k: torch.randn((1, *s), generator=generator, dtype=torch.float32) for k, s in shapes.items()}
-
+    """The same draws as `draw_noise`; its step noise, one flat run of numbers, read sample by sample instead."""
+    noise = draw_noise_step_major(shapes, plan, group_ids, generator, step, pin_memory)
     b = len(group_ids)
-    if plan.shared_noise:
-        _, group_index = torch.unique(group_ids, return_inverse=True)
-        per_group = cat_latents([one() for _ in range(int(group_index.max()) + 1)])
-        initial = {k: v[group_index] for k, v in per_group.items()}
-    else:
-        initial = cat_latents([one() for _ in range(b)])
-    starts = diffusion.window_starts(plan, b, generator, step)
-    steps = {k: torch.randn((b, plan.num_steps, *s), generator=generator).transpose(0, 1).contiguous()
-             for k, s in shapes.items()}
-    return diffusion.RolloutNoise(initial, starts, steps)
+    steps = {k: v.reshape(b, plan.num_steps, *v.shape[2:]).transpose(0, 1).contiguous() for k, v in noise.steps.items()}
+    return diffusion.RolloutNoise(noise.initial, noise.starts, steps)
 
 
 if __name__ == "__main__":
