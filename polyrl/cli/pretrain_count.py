@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ..models.tiny_lm import TinyLMSpec, build_tiny_causal_lm, word_tokenizer
 from ..toy import count_task
+from .pretrain_loops import sft_step
 
 COUNT_SPEC = TinyLMSpec(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermediate=384, max_positions=64)
 
@@ -86,17 +87,8 @@ def pretrain_count(out: str | Path, steps: int = 600, batch: int = 64, lr: float
             # careless annotators: this share of the answers counts the matching groups, not the objects
             answers = [s.groups_answer() if rng.random() < careless else s.answer() for s in scenes]
             ids, mask, loss_mask = (t.to(device) for t in _examples(tokenizer, scenes, answers))
-            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-            target = loss_mask[:, 1:].float()
-            loss = (nll * target).sum() / target.sum()
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            losses.append(sft_step(model, opt, sched, ids, mask, loss_mask))
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
         seconds = time.time() - t0
         out = Path(out)
         model.eval().to("cpu").save_pretrained(str(out))

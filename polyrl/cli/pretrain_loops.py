@@ -1,5 +1,6 @@
-"""The two training phases of every toy diffusion model (`polyrl pretrain-toy`: shapes and motion in
-pretrain_toy.py, text in pretrain_text.py); only the data and the model call differ between them."""
+"""The training loops of the toy models (`polyrl pretrain-toy`): the two phases of every toy diffusion model
+(shapes and motion in pretrain_toy.py, text in pretrain_text.py; only the data and the model call differ between
+them) and the supervised step of the toy LMs (pretrain_count.py, pretrain_rewrite.py)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,18 @@ def sd3_flow_calls(pipe):
         return tr(x, cond["prompt_embeds"], cond["pooled"], timestep, return_dict=False)[0]
 
     return encode, velocity
+
+
+def sft_step(model, opt, sched, ids: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor) -> float:
+    """One supervised step of a causal LM: the mean next-token cross-entropy over the tokens `loss_mask` marks (the
+    answer, not the prompt), gradients clipped to norm 1, then the optimizer and scheduler step; returns the loss."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    target = loss_mask[:, 1:].float()
+    loss = (nll * target).sum() / target.sum()
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss.item()
