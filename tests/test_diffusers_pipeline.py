@@ -425,25 +425,30 @@ def test_other_pipelines_replay_exactly(family, tmp_path, monkeypatch):
         _check_live(actor, batch)
 
 
-def test_qwen_image21_two_steps_through_the_cli(shape_prompts_file, tmp_path):
-    """2 training steps through the CLI on a Qwen-Image 2.1 checkpoint (true CFG, RGBA decoded over white)."""
+@pytest.mark.parametrize("family", ["chroma", "hunyuan_video15", "qwen_image21", "sana"])
+def test_two_steps_of_other_pipelines_through_the_cli(family, shape_prompts_file, tmp_path):
+    """2 training steps through the CLI on each family that has no dedicated adapter: metrics of every step, a
+    gradient, the held-out samples (Qwen-Image 2.1's RGBA decoded over white; HunyuanVideo-1.5 as a video)."""
     from PIL import Image
 
-    from polyrl.models.tiny import save_tiny_qwen_image21
-
-    words = sorted({w for p in SHAPE_PROMPTS for w in p.split()})
-    model = save_tiny_qwen_image21(words, tmp_path / "qwen_image21")
+    build, scale, _, shape, options = FAMILIES[family]
+    build(tmp_path / family, sorted({w for p in SHAPE_PROMPTS for w in p.split()}))
     out = tmp_path / "run"
-    args = ["train", "model=diffusers_pipeline", f"model.path={model}", f"data.path={shape_prompts_file}",
+    args = ["train", "model=diffusers_pipeline", f"model.path={tmp_path / family}", f"data.path={shape_prompts_file}",
             f"data.heldout_path={shape_prompts_file}", f"trainer.output_dir={out}", "trainer.max_steps=2",
-            "rollout.height=32", "rollout.width=32", "rollout.num_steps=2", "rollout.n=2", "data.prompts_per_step=2",
-            "rollout.batch_size=4", "rollout.guidance_scale=2.0", "trainer.eval_samples=2", "trainer.num_validation=2",
-            "trainer.progress=false", "trainer.tensorboard=false", "reward=jpeg_compressibility",
-            "rollout.sde_window_size=1", "rollout.sde_window_range=[0,1]", "trainer.eval_every=2",
-            "trainer.save_every=0"]
+            f"rollout.height={shape.height}", f"rollout.width={shape.width}", "rollout.num_steps=2", "rollout.n=2",
+            "data.prompts_per_step=2", "rollout.batch_size=4", f"rollout.guidance_scale={scale}",
+            "trainer.eval_samples=2", "trainer.num_validation=2", "trainer.progress=false", "trainer.tensorboard=false",
+            "reward=jpeg_compressibility", "rollout.sde_window_size=1", "rollout.sde_window_range=[0,1]",
+            "trainer.eval_every=2", "trainer.save_every=0",
+            *([f"rollout.num_frames={shape.frames}"] if shape.is_video else []),
+            *[f"++model.options.{k}={v}" for k, v in options.items()]]
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[1]["grad_norm"] > 0 and "reward/mean" in rows[2]
-    with Image.open(out / "samples" / "step_000002.png") as image:
-        assert image.mode == "RGB"
+    if shape.is_video:
+        assert (out / "samples" / "step_000002.mp4").stat().st_size > 0
+    else:
+        with Image.open(out / "samples" / "step_000002.png") as image:
+            assert image.mode == "RGB"
