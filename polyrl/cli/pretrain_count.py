@@ -24,27 +24,16 @@ from tqdm import tqdm
 
 from ..models.tiny_lm import TinyLMSpec, build_tiny_causal_lm, word_tokenizer
 from ..toy import count_task
-from .pretrain_loops import sft_step
+from .pretrain_loops import sft_batch, sft_step
 
 COUNT_SPEC = TinyLMSpec(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermediate=384, max_positions=64)
 
 
 def _examples(tokenizer, scenes: list, answers: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, attention mask, loss mask) right-padded: prompt tokens, answer tokens, EOS; loss on answer and EOS."""
-    rows, targets = [], []
-    for s, a in zip(scenes, answers, strict=True):
-        prompt = tokenizer(s.text(), add_special_tokens=False).input_ids
-        answer = tokenizer(str(a), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-        rows.append(prompt + answer)
-        targets.append([0] * len(prompt) + [1] * len(answer))
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (r, t) in enumerate(zip(rows, targets, strict=True)):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-        loss_mask[i, : len(t)] = torch.tensor(t)
-    return ids, mask, loss_mask
+    prompts = [tokenizer(s.text(), add_special_tokens=False).input_ids for s in scenes]
+    targets = [tokenizer(str(a), add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for a in answers]
+    return sft_batch(prompts, targets, tokenizer.pad_token_id)
 
 
 def heldout_accuracy(path: str | Path, prompts_file: str | Path, n: int = 256, device: str = "cpu") -> float:

@@ -94,3 +94,16 @@ def sft_step(model, opt, sched, ids: torch.Tensor, mask: torch.Tensor, loss_mask
     opt.step()
     sched.step()
     return loss.item()
+
+
+def sft_batch(prompts: list[list[int]], answers: list[list[int]], pad_id: int):
+    """(ids, attention mask, loss mask), right-padded rows of prompt tokens then answer tokens; the loss mask marks
+    the answer's tokens (for `sft_step`)."""
+    rows = [p + a for p, a in zip(prompts, answers, strict=True)]
+    ids = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.long)
+    mask, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (p, a) in enumerate(zip(prompts, answers, strict=True)):
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        mask[i, : len(p) + len(a)] = 1
+        loss_mask[i, len(p) : len(p) + len(a)] = 1
+    return ids, mask, loss_mask

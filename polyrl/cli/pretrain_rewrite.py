@@ -28,7 +28,7 @@ from tqdm import tqdm
 from ..models.tiny_lm import CHATML_TEMPLATE, TinyLMSpec, build_tiny_causal_lm, word_tokenizer
 from ..toy import rewrite_task
 from ..toy.shapes_task import ShapesSpec
-from .pretrain_loops import sft_step
+from .pretrain_loops import sft_batch, sft_step
 
 REWRITE_SPEC = TinyLMSpec(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermediate=384, max_positions=64)
 # the generator's render of a rewrite: the recipe's reward.rollout (config/recipe/toy_rewriter.yaml)
@@ -42,22 +42,11 @@ def _load_rows(path: Path) -> list[dict]:
 def _examples(tokenizer, requests: list[str], targets: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, attention mask, loss mask) right-padded: the chat-templated request, the rewrite, EOS; loss on the
     rewrite and EOS."""
-    rows, masks = [], []
-    for request, target in zip(requests, targets, strict=True):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": request}], tokenize=False,
-                                             add_generation_prompt=True)
-        prompt = tokenizer(text, add_special_tokens=False).input_ids
-        answer = tokenizer(target, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-        rows.append(prompt + answer)
-        masks.append([0] * len(prompt) + [1] * len(answer))
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (r, m) in enumerate(zip(rows, masks, strict=True)):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-        loss_mask[i, : len(m)] = torch.tensor(m)
-    return ids, mask, loss_mask
+    prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": r}], tokenize=False,
+                                                       add_generation_prompt=True), add_special_tokens=False).input_ids
+               for r in requests]
+    answers = [tokenizer(t, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for t in targets]
+    return sft_batch(prompts, answers, tokenizer.pad_token_id)
 
 
 def rewrite_rewards(path: str | Path, prompts_file: str | Path, n: int = 64, device: str = "cpu",
