@@ -128,8 +128,9 @@ class Disk:
 
 
 def train_args(run_dir: Path, steps: int, port: int) -> list[str]:
-    """The soak's toy run: the default toy_shapes recipe, shrunk so a step takes about a second on two cores."""
-    return ["train", f"trainer.output_dir={run_dir}", f"trainer.max_steps={steps}", "trainer.resume=auto",
+    """The soak's toy run: the toy Flow-GRPO recipe (the default's algorithm when docs/checkpoints.md's soak was
+    measured), shrunk so a step takes about a second on two cores."""
+    return ["train", "recipe=toy_flow_grpo", f"trainer.output_dir={run_dir}", f"trainer.max_steps={steps}", "trainer.resume=auto",
             "trainer.deterministic=true", "trainer.progress=false", "trainer.seed=0",
             "data.prompts_per_step=2", "rollout.n=4", "rollout.batch_size=8", "rollout.height=32", "rollout.width=32",
             "rollout.num_steps=6", "rollout.sde_window_size=2", "rollout.sde_window_range=[0,3]",

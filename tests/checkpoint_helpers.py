@@ -13,8 +13,9 @@ from polyrl.data.prompts import PromptSampler
 
 
 def train_args(model_dir, prompts, out, steps, *extra, reward: str = "jpeg_compressibility") -> list[str]:
-    """`polyrl train` arguments: `steps` deterministic Flow-GRPO steps of the tiny SD3 at 32×32 (3 sampling steps,
-    2 prompts × 2 images), a checkpoint after every step, no evaluation; `extra` overrides come last."""
+    """`polyrl train` arguments: `steps` deterministic steps of the default recipe's algorithm (DiffusionNFT, with its
+    EMA old policy) on the tiny SD3 at 32×32 (3 sampling steps, 2 prompts × 2 images), a checkpoint after every step,
+    no evaluation; `extra` overrides come last."""
     return ["train", f"model.path={model_dir}", f"data.path={prompts}", f"trainer.output_dir={out}",
             f"trainer.max_steps={steps}", "rollout.height=32", "rollout.width=32", "rollout.num_steps=3",
             "rollout.n=2", "data.prompts_per_step=2", "rollout.batch_size=4", "model.max_sequence_length=16",

@@ -376,11 +376,11 @@ def test_wrong_tensors_are_named(bagel_dir, tmp_path):
 
 # ----------------------------------------------------------------------------------------------- CLI
 def test_two_flow_grpo_steps_through_the_cli(bagel_dir, shape_prompts_file, tmp_path):
-    """model=bagel algorithm=flow_grpo: CFG (text scale 4, interval (0.8, 1]: the σ grid 1, .9, .75, .5 mixes guided
+    """model=bagel recipe=toy_flow_grpo (Flow-GRPO): CFG (text scale 4, interval (0.8, 1]: the σ grid 1, .9, .75, .5 mixes guided
     and unguided steps in the SDE window) in rollout and training, LoRA on the generation expert; every default
     target is trained and only generation-expert weights carry LoRA."""
     out = tmp_path / "run"
-    args = ["train", "model=bagel", f"model.path={bagel_dir}", "algorithm=flow_grpo", f"data.path={shape_prompts_file}",
+    args = ["train", "model=bagel", f"model.path={bagel_dir}", "recipe=toy_flow_grpo", f"data.path={shape_prompts_file}",
             f"trainer.output_dir={out}", "model.max_sequence_length=32", "trainer.max_steps=2", "rollout.height=32",
             "rollout.width=32", "rollout.num_steps=4", "rollout.n=2", "rollout.guidance_scale=4",
             "model.options.cfg_interval=[0.8,1.0]", "rollout.sde_window_size=2", "rollout.sde_window_range=[0,2]",

@@ -60,8 +60,10 @@ def _same_as_reference(run, reference):
 def test_a_checkpoint_lists_the_checksums_of_its_files(reference):
     ckpt = reference / "checkpoints" / "step_000002"
     listing = json.loads((ckpt / "checksums.json").read_text())["files"]
-    assert set(listing) == {"adapter_model.safetensors", "weights.json", "trainer_state.pt"}
-    assert listing["trainer_state.pt"]["bytes"] == (ckpt / "trainer_state.pt").stat().st_size
+    # the default recipe's DiffusionNFT keeps an EMA old policy: its weights are a file of the checkpoint too
+    assert set(listing) == {"adapter_model.safetensors", "old_weights.safetensors", "weights.json", "trainer_state.pt"}
+    for name in ("trainer_state.pt", "old_weights.safetensors"):
+        assert listing[name]["bytes"] == (ckpt / name).stat().st_size
     assert not list((reference / "checkpoints").glob("*.tmp")) and not list((reference / "checkpoints").glob("*.old"))
 
 

@@ -139,8 +139,10 @@ def test_another_model_under_the_toy_recipe_is_refused(capsys):
 
 
 def test_a_data_path_of_your_own_drops_the_recipes_heldout_file(tmp_path, capsys):
-    """`model=causal_lm algorithm=grpo model.path=… data.path=… reward=math_answer` under the default toy recipe must not evaluate on
-    the toy's shapes_heldout.jsonl: it is dropped with a note, unless data.heldout_path is set too."""
+    """`model=causal_lm algorithm=grpo model.path=… data.path=… reward=math_answer` under a toy shapes recipe must not
+    evaluate on the toy's shapes_heldout.jsonl: it is dropped with a note, unless data.heldout_path is set too. The
+    recipe is toy_flow_grpo, whose algorithm keys (clip_range, kl_beta) grpo also takes; the default's DiffusionNFT
+    keys are not grpo's, so under the default the same command stops at that key."""
     from omegaconf import OmegaConf
 
     from polyrl.config import ASSETS
@@ -153,6 +155,9 @@ def test_a_data_path_of_your_own_drops_the_recipes_heldout_file(tmp_path, capsys
     data = tmp_path / "math.jsonl"
     data.write_text('{"prompt": "1+1?", "answer": "2"}\n')
     mine = ["model=causal_lm", "algorithm=grpo", f"model.path={tmp_path}", f"data.path={data}", "reward=math_answer"]
+    assert main(["config", *mine]) == 2
+    assert "unknown key algorithm.mix_beta for algorithm.name=grpo" in _errors(capsys)[0]
+    mine = ["recipe=toy_flow_grpo", *mine]
     got, err = config(*mine)
     assert got.heldout_path is None and got.path == str(data)
     assert "polyrl: note: data.path=" in err and "shapes_heldout.jsonl" in err and "data.heldout_path=FILE" in err

@@ -26,8 +26,10 @@ def _metrics(run_dir):
 
 def test_two_steps_on_tiny_sd3_then_a_fresh_run_refuses_its_dir(tiny_sd3_dir, shape_prompts_file, tmp_path, capsys):
     out = tmp_path / "run"
-    args = _common(tiny_sd3_dir, shape_prompts_file, out, 2, ["trainer.eval_every=2", "trainer.save_every=2",
-                                                             "algorithm.kl_beta=0.04", "trainer.tensorboard=true"])
+    # Flow-GRPO (the default recipe is DiffusionNFT): its clip and KL metrics
+    args = _common(tiny_sd3_dir, shape_prompts_file, out, 2, ["recipe=toy_flow_grpo", "trainer.eval_every=2",
+                                                             "trainer.save_every=2", "algorithm.kl_beta=0.04",
+                                                             "trainer.tensorboard=true"])
     assert main(args) == 0
     rows = _metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -85,7 +87,8 @@ def test_resume_matches_uninterrupted_run(tiny_sd3_dir, shape_prompts_file, tmp_
 def test_full_finetune_with_kl_runs(tiny_sd3_dir, shape_prompts_file, tmp_path):
     out = tmp_path / "run"
     args = _common(tiny_sd3_dir, shape_prompts_file, out, 1,
-                   ["actor.lora_rank=0", "actor.lr=1e-5", "algorithm.kl_beta=0.1", "trainer.eval_every=0", "trainer.save_every=1"])
+                   ["recipe=toy_flow_grpo", "actor.lora_rank=0", "actor.lr=1e-5", "algorithm.kl_beta=0.1",
+                    "trainer.eval_every=0", "trainer.save_every=1"])  # Flow-GRPO's KL to the reference
     assert main(args) == 0
     assert (out / "checkpoints" / "step_000001" / "transformer.safetensors").is_file()
     assert _metrics(out)[0]["kl"] >= 0

@@ -36,7 +36,11 @@ def test_unknown_algorithm_option():
 def test_unknown_algorithm_arg():
     with pytest.raises(ConfigError, match=r"algorithm\.bogus") as e:
         load_config(["algorithm.bogus=1"])
-    assert "clip_range" in str(e.value) and "kl_beta" in str(e.value)
+    # the default recipe's algorithm (DiffusionNFT) lists its own arguments, not another algorithm's
+    assert "mix_beta" in str(e.value) and "decay_slope" in str(e.value) and "clip_range" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"algorithm\.bogus") as e:
+        load_config(["recipe=toy_flow_grpo", "algorithm.bogus=1"])
+    assert "clip_range" in str(e.value) and "kl_beta" in str(e.value) and "mix_beta" not in str(e.value)
 
 
 def test_unknown_reward_arg():

@@ -286,7 +286,10 @@ def test_a_velocity_outside_the_recorded_steps_is_refused(tiny_sd3_dir):
 # ------------------------------------------------------------------------------------------------ the CLI
 def test_two_steps_through_the_cli(tiny_sd3_dir, shape_prompts_file, tmp_path):
     out = tmp_path / "run"
-    args = ["train", "model=diffusers_pipeline", f"model.path={tiny_sd3_dir}", "model.options.max_sequence_length=16",
+    # Flow-GRPO (recipe=toy_flow_grpo): the generic pipeline re-scores only the steps its rollout recorded, so it cannot
+    # train the default recipe's DiffusionNFT (a forward-process loss at random σ; docs/image_models.md, Limits)
+    args = ["train", "recipe=toy_flow_grpo", "model=diffusers_pipeline", f"model.path={tiny_sd3_dir}",
+            "model.options.max_sequence_length=16",
             f"data.path={shape_prompts_file}", f"data.heldout_path={shape_prompts_file}", f"trainer.output_dir={out}",
             "trainer.max_steps=2", "rollout.height=32", "rollout.width=32", "rollout.num_steps=3", "rollout.n=2",
             "data.prompts_per_step=2", "rollout.batch_size=4", "rollout.guidance_scale=2.0", "trainer.eval_samples=2",
@@ -434,7 +437,8 @@ def test_two_steps_of_other_pipelines_through_the_cli(family, shape_prompts_file
     build, scale, _, shape, options = FAMILIES[family]
     build(tmp_path / family, sorted({w for p in SHAPE_PROMPTS for w in p.split()}))
     out = tmp_path / "run"
-    args = ["train", "model=diffusers_pipeline", f"model.path={tmp_path / family}", f"data.path={shape_prompts_file}",
+    args = ["train", "recipe=toy_flow_grpo", "model=diffusers_pipeline", f"model.path={tmp_path / family}",
+            f"data.path={shape_prompts_file}",
             f"data.heldout_path={shape_prompts_file}", f"trainer.output_dir={out}", "trainer.max_steps=2",
             f"rollout.height={shape.height}", f"rollout.width={shape.width}", "rollout.num_steps=2", "rollout.n=2",
             "data.prompts_per_step=2", "rollout.batch_size=4", f"rollout.guidance_scale={scale}",

@@ -38,7 +38,8 @@ def _metrics(run_dir) -> list[dict]:
 
 
 def test_two_process_run_equals_one_process_run_with_resume(tiny_sd3_dir, shape_prompts_file, tmp_path):
-    common = [f"model.path={tiny_sd3_dir}", f"data.path={shape_prompts_file}", "model.max_sequence_length=16",
+    # Flow-GRPO with a KL term (recipe=toy_flow_grpo; the default recipe is DiffusionNFT)
+    common = ["recipe=toy_flow_grpo", f"model.path={tiny_sd3_dir}", f"data.path={shape_prompts_file}", "model.max_sequence_length=16",
               "reward=jpeg_compressibility", "rollout.height=32", "rollout.width=32", "rollout.num_steps=4",
               "rollout.n=4", "data.prompts_per_step=4", "rollout.batch_size=4", "rollout.sde_window_size=2",
               "rollout.sde_window_range=[0,2]", "actor.lora_rank=4", "actor.lora_alpha=4", "actor.lr=1e-3",

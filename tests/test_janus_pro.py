@@ -230,7 +230,8 @@ def test_wrong_response_length_is_one_error_line(janus_dir, prompts_file, tmp_pa
 
 
 def test_validation_pairs_janus_with_image_rewards(janus_dir, prompts_file):
-    base = ["model=janus_pro", f"model.path={janus_dir}", "algorithm=grpo", f"data.path={prompts_file}"]
+    # its own recipe: the default recipe's DiffusionNFT keys are not grpo's
+    base = ["recipe=janus_pro_grpo", f"model.path={janus_dir}", f"data.path={prompts_file}"]
     with pytest.raises(ConfigError) as e:
         load_config([*base, "reward=math_answer"])
     msg = str(e.value)

@@ -20,7 +20,7 @@ BEFORE = json.loads((Path(__file__).parent / "one_loop_before.json").read_text()
 COMMON = ["trainer.max_steps=3", "trainer.eval_every=0", "trainer.save_every=0", "trainer.deterministic=true",
           "trainer.progress=false", "trainer.seed=0"]
 RUNS = {
-    "toy_shapes": ["recipe=toy_shapes", "data.prompts_per_step=2", "rollout.n=4"],
+    "toy_shapes": ["recipe=toy_flow_grpo", "data.prompts_per_step=2", "rollout.n=4"],  # toy_shapes before NFT
     "toy_count_grpo": ["recipe=toy_count", "data.prompts_per_step=4"],
     "toy_count_dapo": ["recipe=toy_count", "algorithm=dapo", "data.prompts_per_step=4"],
     "toy_motion": ["recipe=toy_motion", "data.prompts_per_step=2", "rollout.n=4"],
@@ -80,7 +80,8 @@ class FlatForCircles:
 
 
 def _diffusion_args(model_dir, prompts, out, extra=()):
-    return ["train", f"model.path={model_dir}", f"data.path={prompts}", "data.heldout_path=null",
+    """Flow-GRPO (recipe=toy_flow_grpo; the default recipe is DiffusionNFT): the `flow_grpo/*` step metrics."""
+    return ["train", "recipe=toy_flow_grpo", f"model.path={model_dir}", f"data.path={prompts}", "data.heldout_path=null",
             f"trainer.output_dir={out}", "trainer.max_steps=2", "rollout.height=32", "rollout.width=32",
             "rollout.num_steps=3", "rollout.n=2", "data.prompts_per_step=2", "rollout.batch_size=4",
             "model.max_sequence_length=16", "trainer.progress=false", "trainer.tensorboard=false",

@@ -100,8 +100,9 @@ def test_pairs_need_a_pair_algorithm(shape_prompts_file, pair_dir, tmp_path, cap
     args = ["train", f"model.path={tmp_path}", f"data.path={shape_prompts_file}",
             f"data.pairs_path={pair_dir / 'pairs.jsonl'}", f"trainer.output_dir={tmp_path / 'run'}"]
     assert main(args) == 2
-    assert "data.pairs_path is set but algorithm flow_grpo does not train on preference pairs; allowed: diffusion_dpo" \
-        in capsys.readouterr().err
+    # the default recipe's algorithm, DiffusionNFT, trains on its own rollouts
+    assert ("data.pairs_path is set but algorithm diffusion_nft does not train on preference pairs; allowed: "
+            "diffusion_dpo") in capsys.readouterr().err
 
 
 def test_pairs_path_makes_the_prompt_file_optional():

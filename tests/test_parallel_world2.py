@@ -117,7 +117,8 @@ def continue_from(run: Path, step: int, into: Path) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- test
-LORA = ["actor.lora_rank=4", "actor.lora_alpha=4", "actor.lr=1e-3", "actor.num_minibatches=2",
+# Flow-GRPO with a KL term (recipe=toy_flow_grpo: the default recipe is DiffusionNFT, which has no KL)
+LORA = ["recipe=toy_flow_grpo", "actor.lora_rank=4", "actor.lora_alpha=4", "actor.lr=1e-3", "actor.num_minibatches=2",
         "actor.micro_batch_size=2", "algorithm.kl_beta=0.01", "rollout.sde_window_size=2",
         "rollout.sde_window_range=[0,2]", "trainer.eval_every=2"]
 

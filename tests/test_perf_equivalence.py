@@ -33,8 +33,9 @@ def test_batch_sizes_change_no_number(tiny_sd3_dir, shape_prompts_file, tmp_path
     from polyrl.rewards import REWARDS
 
     REWARDS.setdefault("test_mean_brightness", MeanBrightness)
-    extra = ["trainer.eval_every=0", "trainer.save_every=0", "algorithm.kl_beta=0.04", "trainer.deterministic=true",
-             "reward.name=test_mean_brightness"]
+    # Flow-GRPO with a KL term (recipe=toy_flow_grpo; the default recipe is DiffusionNFT): log-probs, ratios and KL
+    extra = ["recipe=toy_flow_grpo", "trainer.eval_every=0", "trainer.save_every=0", "algorithm.kl_beta=0.04",
+             "trainer.deterministic=true", "reward.name=test_mean_brightness"]
     big, small = tmp_path / "big", tmp_path / "small"
     assert main(_common(tiny_sd3_dir, shape_prompts_file, big, 2, extra + ["rollout.batch_size=4"])) == 0
     assert main(_common(tiny_sd3_dir, shape_prompts_file, small, 2,

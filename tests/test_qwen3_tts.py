@@ -71,7 +71,7 @@ def test_a_missing_package_is_one_error_line(tmp_path, capsys):
     data.write_text(json.dumps({"prompt": "hi", "text": "hi"}) + "\n")
     whisper = build_tiny_whisper(tmp_path / "whisper")  # the reward loads before the model
     capsys.readouterr()
-    assert main(["train", "model=qwen3_tts", f"model.path={model}", "algorithm=grpo", "reward=asr_wer",
+    assert main(["train", "recipe=causal_lm_grpo", "model=qwen3_tts", f"model.path={model}", "reward=asr_wer",
                  f"reward.path={whisper}", f"data.path={data}", f"trainer.output_dir={tmp_path / 'run'}",
                  "rollout.max_new_tokens=32"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -346,8 +346,8 @@ def test_polyrl_train_with_asr_wer_trains_and_writes_the_speech(tts_dir, tmp_pat
                             for p, t in [("the cat sat", "the cat sat"), ("a cat", "A cat!")]))
     out = tmp_path / "run"
     frames = 6
-    args = ["train", "model=qwen3_tts", f"model.path={tts_dir}", "model.dtype=float32", "model.options.speaker=tester",
-            "algorithm=grpo", "reward=asr_wer", f"reward.path={whisper}", "reward.device=cpu",
+    args = ["train", "recipe=causal_lm_grpo", "model=qwen3_tts", f"model.path={tts_dir}", "model.dtype=float32",
+            "model.options.speaker=tester", "reward=asr_wer", f"reward.path={whisper}", "reward.device=cpu",
             "reward.max_new_tokens=3", f"data.path={data}", f"trainer.output_dir={out}", "trainer.max_steps=2",
             "trainer.eval_every=2", "trainer.eval_samples=2", "trainer.save_every=0", "trainer.progress=false",
             "trainer.tensorboard=false", "rollout.n=2", "data.prompts_per_step=2", "rollout.batch_size=4",

@@ -215,10 +215,10 @@ def test_bench_spec_is_the_published_size():
 # ----------------------------------------------------------------------------------------------- CLI
 def test_two_steps_on_tiny_qwen_image_through_the_cli(tiny_qwen_dir, shape_prompts_file, tmp_path):
     out = tmp_path / "run"
-    args = [
-        "train", "model=qwen_image", f"model.path={tiny_qwen_dir}", f"data.path={shape_prompts_file}",
-        f"trainer.output_dir={out}", "trainer.max_steps=2", "rollout.height=32", "rollout.width=32",
-        "rollout.num_steps=3", "rollout.n=2", "data.prompts_per_step=2", "rollout.batch_size=4",
+    args = [  # Flow-GRPO with a KL term (recipe=toy_flow_grpo; the default recipe is DiffusionNFT)
+        "train", "recipe=toy_flow_grpo", "model=qwen_image", f"model.path={tiny_qwen_dir}",
+        f"data.path={shape_prompts_file}", f"trainer.output_dir={out}", "trainer.max_steps=2", "rollout.height=32",
+        "rollout.width=32", "rollout.num_steps=3", "rollout.n=2", "data.prompts_per_step=2", "rollout.batch_size=4",
         "rollout.guidance_scale=4.0", "rollout.sde_window_size=2", "rollout.sde_window_range=[0,1]",
         "trainer.eval_every=0", "trainer.save_every=2", "trainer.progress=false", "trainer.tensorboard=false",
         "reward=jpeg_compressibility", "algorithm.kl_beta=0.04",

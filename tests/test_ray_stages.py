@@ -24,7 +24,9 @@ RAY_ONLY = ("time/", "perf/", "rollout/staleness", "weight_sync/")
 
 
 def overrides(model_dir, prompts, out, *extra) -> list[str]:
-    return [f"model.path={model_dir}", f"data.path={prompts}", "model.max_sequence_length=16",
+    # Flow-GRPO (recipe=toy_flow_grpo; the default recipe is DiffusionNFT): its log-probs carry the off-policy
+    # correction these tests check
+    return ["recipe=toy_flow_grpo", f"model.path={model_dir}", f"data.path={prompts}", "model.max_sequence_length=16",
             "reward=jpeg_compressibility", "rollout.height=32", "rollout.width=32", "rollout.num_steps=4",
             "rollout.n=4", "data.prompts_per_step=2", "rollout.batch_size=4", "rollout.sde_window_size=2",
             "rollout.sde_window_range=[0,2]", "actor.lora_rank=4", "actor.lora_alpha=4", "actor.lr=1e-3",

@@ -143,7 +143,9 @@ def test_rollout_correction_defaults_to_decoupled_when_the_rollout_may_be_stale(
     pytest.importorskip("ray")
     assert load_config([]).rollout_correction.mode == "bypass"
     stale = ["trainer.launcher=ray", "rollout.workers=1", "rollout.max_staleness=1"]
-    assert load_config(stale).rollout_correction.mode == "decoupled"
-    assert load_config(stale + ["rollout_correction.mode=bypass"]).rollout_correction.mode == "bypass"
-    # a likelihood-free algorithm has no log-probabilities to correct
+    flow_grpo = ["recipe=toy_flow_grpo", *stale]  # an algorithm with log-probabilities
+    assert load_config(flow_grpo).rollout_correction.mode == "decoupled"
+    assert load_config(flow_grpo + ["rollout_correction.mode=bypass"]).rollout_correction.mode == "bypass"
+    # a likelihood-free algorithm (the default recipe's DiffusionNFT) has no log-probabilities to correct
+    assert load_config(stale).rollout_correction.mode == "bypass"
     assert load_config(stale + ["recipe=toy_diffusion_nft"]).rollout_correction.mode == "bypass"

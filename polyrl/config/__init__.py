@@ -192,8 +192,8 @@ def train_help() -> str:
     lines = [
         "usage: polyrl train [--import FILE.py|MODULE ...] [group=option ...] [key=value ...]",
         "",
-        "Compose a run from polyrl/config (default: recipe=toy_shapes, the embedded toy model on the CPU) and train",
-        "it. `polyrl config [same overrides]` prints every key of the composed config.",
+        "Compose a run from polyrl/config (default: recipe=toy_shapes, DiffusionNFT on the embedded toy model on the",
+        "CPU) and train it. `polyrl config [same overrides]` prints every key of the composed config.",
         "",
         "groups (group=option; a recipe sets values in several groups and is applied last):",
     ]

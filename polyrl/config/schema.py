@@ -327,6 +327,17 @@ def validate(raw: DictConfig) -> DictConfig:
     _check_choice("trainer.device", cfg.trainer.device, DEVICES)
     for logger in cfg.trainer.loggers:
         _check_choice("trainer.loggers", logger, ("tensorboard", "wandb", "mlflow"))
+    from ..models.base import policy_kind
+
+    # a model is a diffusion or a token policy, and a loss trains one kind (models/base.py, docs/tokens.md); checked
+    # before the algorithm's keys, which a recipe may have set for its own algorithm (`polyrl train algorithm=grpo`
+    # under the default's DiffusionNFT keys is first of all a token loss on a diffusion model)
+    _check_choice("algorithm.name", cfg.algorithm.name, sorted(ALGORITHMS))
+    model_kind, algo_kind = policy_kind(MODELS[cfg.model.name]), policy_kind(ALGORITHMS[cfg.algorithm.name])
+    if model_kind != algo_kind:
+        fitting = sorted(n for n, c in ALGORITHMS.items() if policy_kind(c) == model_kind)
+        raise ConfigError(f"algorithm={cfg.algorithm.name} trains {algo_kind} policies, but model={cfg.model.name} is a "
+                          f"{model_kind} policy; algorithms for {model_kind} policies: {', '.join(fitting)}")
     _check_kwargs("algorithm", OmegaConf.to_container(cfg.algorithm), ALGORITHMS, STEP_OPTIONS)
     from ..algorithms import build_algorithm
 
@@ -334,14 +345,6 @@ def validate(raw: DictConfig) -> DictConfig:
         build_algorithm(OmegaConf.to_container(cfg.algorithm))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    from ..models.base import policy_kind
-
-    # a model is a diffusion or a token policy, and a loss trains one kind (models/base.py, docs/tokens.md)
-    model_kind, algo_kind = policy_kind(MODELS[cfg.model.name]), policy_kind(ALGORITHMS[cfg.algorithm.name])
-    if model_kind != algo_kind:
-        fitting = sorted(n for n, c in ALGORITHMS.items() if policy_kind(c) == model_kind)
-        raise ConfigError(f"algorithm={cfg.algorithm.name} trains {algo_kind} policies, but model={cfg.model.name} is a "
-                          f"{model_kind} policy; algorithms for {model_kind} policies: {', '.join(fitting)}")
     if model_kind == "tokens":
         r = cfg.rollout
         if r.max_new_tokens < 1:
