@@ -43,6 +43,27 @@ def test_unknown_algorithm_arg():
     assert "clip_range" in str(e.value) and "kl_beta" in str(e.value) and "mix_beta" not in str(e.value)
 
 
+def test_another_algorithm_under_a_recipe_names_the_recipes_that_select_it():
+    """`polyrl train algorithm=flow_grpo` under the default stops at a DiffusionNFT key of the recipe's, which the user
+    never typed: the error says so and names recipes that select flow_grpo; a key the user set gets no such hint."""
+    with pytest.raises(ConfigError) as e:
+        load_config(["algorithm=flow_grpo"])
+    msg = str(e.value)
+    assert msg.startswith("unknown key algorithm.mix_beta for algorithm.name=flow_grpo; allowed: ")
+    assert "algorithm.mix_beta is set by recipe toy_shapes for its own algorithm" in msg
+    named = msg.split("(recipe=")[1].split(";")[0].split(" | ")
+    assert "toy_flow_grpo" in named and "toy_diffusion_nft" not in named
+    from polyrl.config import _compose
+
+    assert all(_compose([f"recipe={r}"]).algorithm.name == "flow_grpo" for r in named)  # each one does select it
+    with pytest.raises(ConfigError) as e:
+        load_config(["algorithm=flow_grpo", "algorithm.mix_beta=0.2"])
+    assert "set by recipe" not in str(e.value)
+    with pytest.raises(ConfigError) as e:  # no algorithm chosen: the key is the user's to fix
+        load_config(["algorithm.bogus=1"])
+    assert "set by recipe" not in str(e.value)
+
+
 def test_unknown_reward_arg():
     with pytest.raises(ConfigError, match=r"reward\.bogus") as e:
         load_config(["reward.bogus=1"])

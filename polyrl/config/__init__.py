@@ -133,6 +133,23 @@ def _drop_recipe_heldout(raw: DictConfig, overrides: list[str]) -> str | None:
             "data.heldout_path=FILE for held-out prompts of your own)")
 
 
+def _recipe_algorithm_hint(message: str, raw: DictConfig, overrides: list[str]) -> str:
+    """`algorithm=<name>` under a recipe that sets keys of its own algorithm (the default's DiffusionNFT keys) fails
+    on a key the user never typed: say that the recipe set it, and which recipes select <name> with its own keys."""
+    found = re.match(r"unknown key algorithm\.(\w+) for algorithm\.name=(\w+);", message)
+    if not found or _override_value(overrides, "algorithm") is None:
+        return message
+    key, name = found.groups()
+    if _override_value(overrides, f"algorithm.{key}") is not None:
+        return message  # the user's own key
+    pattern = re.compile(rf"override /algorithm: {re.escape(name)}\s*$", re.MULTILINE)
+    recipes = sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml")
+                     if not is_building_block(p) and pattern.search(p.read_text()))
+    listed = f"recipe={' | '.join(recipes)}; " if recipes else ""
+    return (f"{message}; algorithm.{key} is set by recipe {raw.get('name')} for its own algorithm: choose "
+            f"algorithm {name} through a recipe that selects it ({listed}docs/recipes.md)")
+
+
 def load_config(overrides: list[str] | tuple[str, ...] = (), notes: list[str] | None = None) -> DictConfig:
     """Compose `config.yaml` with Hydra overrides (`key=value`, `group=option`) and validate it. What composing
     changed on its own (a recipe's held-out file dropped) is appended to `notes` as lines to show the user once the
@@ -153,7 +170,10 @@ def load_config(overrides: list[str] | tuple[str, ...] = (), notes: list[str] | 
         note = _drop_recipe_heldout(raw, list(overrides))
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(_hydra_message(str(e), list(overrides))) from None
-    cfg = validate(raw)
+    try:
+        cfg = validate(raw)
+    except ConfigError as e:
+        raise ConfigError(_recipe_algorithm_hint(str(e), raw, list(overrides))) from None
     if note and notes is not None:
         notes.append(note)
     return cfg
