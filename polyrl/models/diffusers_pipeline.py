@@ -441,6 +441,9 @@ class PipelinePolicy:
     # `max_sequence_length` passed to the pipeline where it takes one (null: the pipeline's default);
     # `decode_batch` the VAE decodes this many samples at a time (null: the whole batch in one call)
     options = {"pipeline": "", "max_sequence_length": None, "decode_batch": None}
+    # the denoiser is evaluated only by replaying the calls a rollout recorded: a likelihood-free algorithm, which
+    # noises samples to σ of its own, has nothing to replay (checked when the config is composed)
+    replays_rollout_only = True
 
     def __init__(self, cfg, device: torch.device):
         import diffusers
