@@ -92,7 +92,8 @@ def test_shipped_text_model_is_small_and_its_record_honest():
     assert sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) <= 15 * 2**20
     record = json.loads((root / "pretrain.json").read_text())
     assert record["task"] == "text" and record["command"].startswith("polyrl pretrain-toy --task text")
-    assert record["eval_samples"] == 160 and 0.0 <= record["heldout_ocr"] <= 1.0
+    # imperfect on purpose (issue 39): legible often, wrong often, so that RL has room
+    assert record["eval_samples"] == 160 and 0.2 <= record["heldout_ocr"] <= 0.7
     rows = text_task.make_prompts(text_task.split_words()[1])[::10]
     result = evaluate_text(root, rows)
     assert abs(result["score"] - record["heldout_ocr"]) < 0.15, (result["score"], record["heldout_ocr"])
