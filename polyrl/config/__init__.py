@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from .schema import Config, ConfigError, validate
+from .schema import Config, ConfigError, UnknownKeyError, validate
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 if not OmegaConf.has_resolver("polyrl_asset"):
@@ -133,15 +133,15 @@ def _drop_recipe_heldout(raw: DictConfig, overrides: list[str]) -> str | None:
             "data.heldout_path=FILE for held-out prompts of your own)")
 
 
-def _recipe_algorithm_hint(message: str, raw: DictConfig, overrides: list[str]) -> str:
+def _recipe_algorithm_hint(error: ConfigError, raw: DictConfig, overrides: list[str]) -> str:
     """`algorithm=<name>` under a recipe that sets keys of its own algorithm (the default's DiffusionNFT keys) fails
     on a key the user never typed: say that the recipe set it, and which recipes select <name> with its own keys."""
-    found = re.match(r"unknown key algorithm\.(\w+) for algorithm\.name=(\w+);", message)
-    if not found or _override_value(overrides, "algorithm") is None:
+    message = str(error)
+    if not isinstance(error, UnknownKeyError) or error.group != "algorithm":
         return message
-    key, name = found.groups()
-    if _override_value(overrides, f"algorithm.{key}") is not None:
-        return message  # the user's own key
+    key, name = error.key, error.name
+    if _override_value(overrides, "algorithm") is None or _override_value(overrides, f"algorithm.{key}") is not None:
+        return message  # no algorithm chosen, or the key is the user's own
     pattern = re.compile(rf"override /algorithm: {re.escape(name)}\s*$", re.MULTILINE)
     recipes = sorted(p.stem for p in (CONFIG_DIR / "recipe").glob("*.yaml")
                      if not is_building_block(p) and pattern.search(p.read_text()))
@@ -173,7 +173,7 @@ def load_config(overrides: list[str] | tuple[str, ...] = (), notes: list[str] | 
     try:
         cfg = validate(raw)
     except ConfigError as e:
-        raise ConfigError(_recipe_algorithm_hint(str(e), raw, list(overrides))) from None
+        raise ConfigError(_recipe_algorithm_hint(e, raw, list(overrides))) from None
     if note and notes is not None:
         notes.append(note)
     return cfg

@@ -187,6 +187,14 @@ class ConfigError(ValueError):
     """A config problem, reported before anything is loaded."""
 
 
+class UnknownKeyError(ConfigError):
+    """`<group>.<key>` is not an argument of the group's chosen class `<group>.name=<name>`."""
+
+    def __init__(self, message: str, group: str, key: str, name: str):
+        super().__init__(message)
+        self.group, self.key, self.name = group, key, name
+
+
 def _allowed(node) -> str:
     return ", ".join(sorted(node.keys()))
 
@@ -208,8 +216,8 @@ def _check_kwargs(group: str, cfg: dict, registry: dict, shared: tuple[str, ...]
         return
     for key in cfg:
         if key != "name" and key not in params and key not in shared:
-            raise ConfigError(f"unknown key {group}.{key} for {group}.name={name}; allowed: "
-                              f"{', '.join(sorted([*params, *shared]))}")
+            raise UnknownKeyError(f"unknown key {group}.{key} for {group}.name={name}; allowed: "
+                                  f"{', '.join(sorted([*params, *shared]))}", group, key, name)
     nested = getattr(registry[name], "nested_configs", None)  # e.g. reward=mix: validate each component too
     if nested is not None:
         try:
