@@ -43,7 +43,7 @@ def test_opd_loss_and_gradient_match_reference():
     mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], float)
     want, want_grad = ref_opd(lp, old, teacher, mask, 0.2, 0.28, 3.0)
     x = torch.tensor(lp, requires_grad=True)
-    loss, ratio, clipped, k1 = opd_loss(x, torch.tensor(old), torch.tensor(teacher), torch.tensor(mask), 0.2, 0.28, 3.0)
+    loss, ratio, clipped, _, k1 = opd_loss(x, torch.tensor(old), torch.tensor(teacher), torch.tensor(mask), 0.2, 0.28, 3.0)
     loss.backward()
     assert loss.item() == pytest.approx(want, rel=1e-12)
     np.testing.assert_allclose(x.grad.numpy(), want_grad, rtol=1e-12, atol=1e-15)

@@ -61,7 +61,7 @@ def finite_difference(fn, x: list[list[float]], eps: float = 1e-6) -> list[list[
 @pytest.mark.parametrize("agg", ["seq_mean_token_mean", "token_mean"])
 def test_grpo_token_clip_matches_reference(agg):
     lp = t(LP).requires_grad_(True)
-    loss, ratio, clipped = token_ppo_loss(lp, t(OLD), t(ADV), t(MASK), 0.2, 0.2, agg=agg)
+    loss, ratio, clipped, _ = token_ppo_loss(lp, t(OLD), t(ADV), t(MASK), 0.2, 0.2, agg=agg)
     assert loss.item() == pytest.approx(ppo_reference(LP, OLD, ADV, MASK, 0.2, 0.2, agg), abs=1e-12)
     # token (0, 1): ρ = e^0.4 = 1.49 > 1.2 with A > 0 -> clipped, no gradient; (1, 0): ρ = e^-0.2 = 0.82 with A < 0
     # is inside [0.8, 1.2] -> not clipped
@@ -77,7 +77,7 @@ def test_dapo_asymmetric_clip_and_token_normalisation():
     lp, old, adv, mask = [[0.22, -1.0, -1.0], [-0.5, 0.0, 0.0]], [[0.0, -1.0, -1.0], [-0.5, 0.0, 0.0]], [1.0, -1.0], \
         [[1, 1, 1], [1, 0, 0]]
     x = t(lp).requires_grad_(True)
-    dapo, _, clipped = token_ppo_loss(x, t(old), t(adv), t(mask), 0.2, 0.28, agg="token_mean")
+    dapo, _, clipped, _ = token_ppo_loss(x, t(old), t(adv), t(mask), 0.2, 0.28, agg="token_mean")
     assert not clipped[0, 0]
     assert dapo.item() == pytest.approx(ppo_reference(lp, old, adv, mask, 0.2, 0.28, "token_mean"), abs=1e-12)
     # token mean: (−1.246 − 1 − 1 + 1) / 4; the sequence mean would weigh the 1-token response 3× more
@@ -86,7 +86,7 @@ def test_dapo_asymmetric_clip_and_token_normalisation():
     assert abs(dapo.item() - seq) > 0.1
     dapo.backward()
     assert x.grad[0, 0].item() == pytest.approx(-math.exp(0.22) / 4, abs=1e-12)
-    grpo, _, clipped = token_ppo_loss(t(lp), t(old), t(adv), t(mask), 0.2, 0.2, agg="token_mean")
+    grpo, _, clipped, _ = token_ppo_loss(t(lp), t(old), t(adv), t(mask), 0.2, 0.2, agg="token_mean")
     assert clipped[0, 0] and grpo.item() == pytest.approx((-1.2 - 1 - 1 + 1) / 4, abs=1e-12)
 
 
@@ -109,7 +109,7 @@ def gspo_reference(lp, old, adv, mask, lo, hi):
 def test_gspo_sequence_ratio_and_gradient_through_every_token():
     lo, hi = 0.3, 0.4  # wide enough that neither sequence is clipped: every real token must get a gradient
     lp = t(LP).requires_grad_(True)
-    loss, seq_ratio, clipped = gspo_loss(lp, t(OLD), t(ADV), t(MASK), lo, hi)
+    loss, seq_ratio, clipped, _ = gspo_loss(lp, t(OLD), t(ADV), t(MASK), lo, hi)
     s0 = math.exp(((-1.0 + 1.1) + (-0.5 + 0.9) + (-2.0 + 1.9)) / 3)
     s1 = math.exp(((-0.3 + 0.1) + (-1.2 + 1.3)) / 2)
     assert seq_ratio.tolist() == pytest.approx([s0, s1], abs=1e-12)
@@ -126,7 +126,7 @@ def test_gspo_sequence_ratio_and_gradient_through_every_token():
 
 def test_gspo_clips_the_whole_sequence():
     lp = t(LP).requires_grad_(True)
-    loss, seq_ratio, clipped = gspo_loss(lp, t(OLD), t(ADV), t(MASK), 3e-4, 4e-4)
+    loss, seq_ratio, clipped, _ = gspo_loss(lp, t(OLD), t(ADV), t(MASK), 3e-4, 4e-4)
     # s0 = e^(0.4/3) = 1.14 with A > 0 is above 1 + 4e-4: the whole first sequence is clipped (no gradient at all)
     assert clipped.tolist() == [True, True]
     assert loss.item() == pytest.approx(gspo_reference(LP, OLD, ADV, MASK, 3e-4, 4e-4), abs=1e-12)

@@ -1,6 +1,7 @@
 """DAPO (docs/algorithms.md §5, arXiv 2503.14476): GRPO's token-level PPO-clip with
 
 * clip-higher: ε_low = `clip_range` (0.2), ε_high = `clip_range_high` (0.28);
+* the dual clip of GRPO (`clip_ratio_c`, 3; verl's default for every PPO-style loss);
 * token-level normalisation: every token of the mini-batch counts the same (`loss_agg=token_mean`);
 * dynamic sampling (on by default here; a step option any algorithm may turn on, trainer/step.py): a step's groups
   whose rewards are all equal (no signal) are replaced by fresh prompt groups, at most `max_refills` extra rollouts
@@ -26,8 +27,9 @@ class DAPO(GRPO):
 
     def __init__(self, clip_range: float = 0.2, clip_range_high: float | None = 0.28, kl_beta: float = 0.0,
                  adv_std: str = "group", adv_clip_max: float = 5.0, loss_agg: str = "token_mean",
-                 overlong_buffer: int = 0, overlong_penalty: float = 1.0):
-        super().__init__(clip_range, clip_range_high, kl_beta, adv_std, adv_clip_max, loss_agg)
+                 overlong_buffer: int = 0, overlong_penalty: float = 1.0, clip_ratio_c: float | None = 3.0):
+        super().__init__(clip_range, clip_range_high, kl_beta, adv_std, adv_clip_max, loss_agg,
+                         clip_ratio_c=clip_ratio_c)
         if overlong_buffer < 0:
             raise ValueError("algorithm.overlong_buffer must be >= 0")
         self.overlong_buffer, self.overlong_factor = overlong_buffer, overlong_penalty

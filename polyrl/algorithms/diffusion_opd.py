@@ -17,15 +17,20 @@ import torch
 
 from ..batch import Rollout
 from ..errors import UserError
+from ..latents import entries
 from .base import PolicyEvaluator, register_algorithm, weighted_mean
-from .flow_grpo import FlowGRPO, gaussian_mean_kl
+from .flow_grpo import FlowGRPO, checked_kl_form, kl_to_reference
 
 TEACHER_COLUMN = "teacher"  # the prompt file's column that routes a prompt to a keyed teacher
 
 
-def distill_kl(mean: torch.Tensor, teacher_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """mean_d (μ_θ − μ_teacher)² / (2·s²) per sample: the KL from the student's transition to the teacher's."""
-    return gaussian_mean_kl(mean, teacher_mean, std)
+def distill_kl(mean, teacher_mean, std, dt=None, form: str = "exact", step: str | None = "sde") -> torch.Tensor:
+    """Per-sample KL from the student's transition to the teacher's, in `algorithm.distill_kl_form` (§3 OPD):
+    `exact` mean_d (μ_θ − μ_teacher)² / (2·s²) with s the transition std; `verl_omni` verl-omni's `DistillKLLoss`,
+    mean_d (μ_θ − μ_teacher)² / (2·std_dev_t²) with its scheduler's std_dev_t (`sde`: without √(−dt), i.e. the exact
+    KL × (−dt); `cps`, `dance`: the exact KL); `flow_grpo` flow_grpo's reference-KL form (`sde`, `dance`: × (−dt);
+    `cps`: exact), flow_grpo having no distillation loss (`flow_grpo.kl_to_reference`)."""
+    return kl_to_reference(mean, teacher_mean, std, dt, form, step)
 
 
 @dataclass(frozen=True)
@@ -102,8 +107,10 @@ class DiffusionOPD(FlowGRPO):
 
     def __init__(self, teacher_path: str | None = None, teachers: list | None = None, distill_coef: float = 1.0,
                  policy_gradient: bool = False, clip_range: float = 1e-4, kl_beta: float = 0.0, adv_std: str = "global",
-                 adv_clip_max: float = 5.0, kl_form: str = "exact", drop_zero_advantage: bool = False):
+                 adv_clip_max: float = 5.0, kl_form: str = "exact", drop_zero_advantage: bool = False,
+                 distill_kl_form: str = "exact"):
         super().__init__(clip_range, kl_beta, adv_std, adv_clip_max, kl_form, drop_zero_advantage)
+        self.distill_kl_form = checked_kl_form(distill_kl_form, "distill_kl_form")
         self.teachers = parse_teachers(teacher_path, teachers)
         self.teacher_path = self.teachers[0].path
         self.teacher_paths = [t.path for t in self.teachers]
@@ -124,17 +131,19 @@ class DiffusionOPD(FlowGRPO):
         if "teacher_mask" not in batch.extras:  # one teacher for every sample
             with torch.no_grad():
                 teacher = policy.step(batch, k, policy="teacher")
-            per_sample = distill_kl(out.mean, teacher.mean, out.std)
+            per_sample = distill_kl(out.mean, teacher.mean, out.std, out.dt, self.distill_kl_form, out.step)
         else:
             mask = batch.extras["teacher_mask"].T  # (J, B)
-            kls = []
+            kls, dtype = [], next(iter(entries(out.mean).values())).dtype  # the KL's dtype is the student's means'
             for j in range(len(self.teachers)):
                 idx = torch.nonzero(mask[j] > 0).flatten()
-                kl = torch.zeros(len(batch), device=out.log_prob.device)
+                kl = torch.zeros(len(batch), device=out.log_prob.device, dtype=dtype)
                 if len(idx):
                     with torch.no_grad():
                         teacher = policy.step(batch.select(idx), k, policy=f"teacher:{j}")
-                    part = distill_kl(_rows(out.mean, idx), teacher.mean, _rows(out.std, idx))
+                    dt = None if out.dt is None else _rows(out.dt, idx)
+                    part = distill_kl(_rows(out.mean, idx), teacher.mean, _rows(out.std, idx), dt,
+                                      self.distill_kl_form, out.step)
                     kl = kl.index_put((idx.to(kl.device),), part.to(kl))
                     stats[f"distill_kl/teacher{j}"] = part.detach().mean()
                 kls.append(kl)

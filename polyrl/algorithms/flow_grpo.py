@@ -51,7 +51,7 @@ def gaussian_mean_kl(mean: Latents | torch.Tensor, ref_mean: Latents | torch.Ten
     return sample_mean(terms)
 
 
-KL_FORMS = ("exact", "flow_grpo")
+KL_FORMS = ("exact", "flow_grpo", "verl_omni")
 
 
 def kl_to_reference(mean, ref_mean, std, dt, form: str = "exact", step: str = "sde") -> torch.Tensor:
@@ -68,17 +68,23 @@ def kl_to_reference(mean, ref_mean, std, dt, form: str = "exact", step: str = "s
       σ' = 0 flow_grpo divides by 0; here, as for every deterministic step, the KL is 0);
     - `dance` (no such step in flow_grpo): it is the `sde` step with a_i = η·sqrt((1−σ̃)/σ), for which flow_grpo's
       sde function returns std_dev_t = η = s/√(−dt), so the form is again the exact KL × (−dt).
+    `verl_omni`: verl-omni's reference and distillation KL (verl-project/verl-omni
+    verl_omni/trainer/diffusion/diffusion_algos.py `KLLoss` / `DistillKLLoss` at commit
+    a1139bafffb5b9711f0a6b6edff8ecaa60bfff30), the same mean_d Δμ²/(2·std_dev_t²) with the std_dev_t of its
+    scheduler's step (verl_omni/pipelines/schedulers/flow_match_sde.py): `sde` a·sqrt(σ/(1−σ̃)), without √(−dt),
+    so the exact KL × (−dt), as flow_grpo's; `cps` σ'·sin(aπ/2) and `dance_sde` η·√(−dt), each the whole
+    transition std, so the exact KL. It differs from `flow_grpo` on `dance` only.
     With a σ schedule per stream (`std`, `dt` dicts) each entry's term takes its own −dt."""
-    if form == "exact" or (form == "flow_grpo" and step == "cps"):
-        return gaussian_mean_kl(mean, ref_mean, std)
-    if form == "flow_grpo":
-        if step not in ("sde", "dance"):
-            raise ValueError(f"algorithm.kl_form=flow_grpo: unknown rollout.step {step!r}; allowed: cps, dance, sde")
-        if not isinstance(dt, dict):
-            return gaussian_mean_kl(mean, ref_mean, std) * (-dt)
-        # Δμ²·(−dt)/(2s²) = Δμ²/(2·(s/√−dt)²), entry by entry
-        return gaussian_mean_kl(mean, ref_mean, {k: for_entry(std, k) / torch.sqrt(-dt[k]) for k in dt})
-    raise ValueError(f"algorithm.kl_form={form!r}; allowed: {', '.join(KL_FORMS)}")
+    if form not in KL_FORMS:
+        raise ValueError(f"algorithm.kl_form={form!r}; allowed: {', '.join(KL_FORMS)}")
+    if form == "exact" or step == "cps" or (form == "verl_omni" and step == "dance"):
+        return gaussian_mean_kl(mean, ref_mean, std)  # std_dev_t is the whole transition std
+    if step not in ("sde", "dance"):
+        raise ValueError(f"algorithm.kl_form={form}: unknown rollout.step {step!r}; allowed: cps, dance, sde")
+    if not isinstance(dt, dict):
+        return gaussian_mean_kl(mean, ref_mean, std) * (-dt)
+    # Δμ²·(−dt)/(2s²) = Δμ²/(2·(s/√−dt)²), entry by entry
+    return gaussian_mean_kl(mean, ref_mean, {k: for_entry(std, k) / torch.sqrt(-dt[k]) for k in dt})
 
 
 def add_reference_kl(policy: PolicyEvaluator, batch: Rollout, k: int, out, beta: float, loss: torch.Tensor,
@@ -93,9 +99,9 @@ def add_reference_kl(policy: PolicyEvaluator, batch: Rollout, k: int, out, beta:
     return loss + beta * kl
 
 
-def checked_kl_form(form: str) -> str:
+def checked_kl_form(form: str, key: str = "kl_form") -> str:
     if form not in KL_FORMS:
-        raise ValueError(f"algorithm.kl_form={form!r}; allowed: {', '.join(KL_FORMS)}")
+        raise ValueError(f"algorithm.{key}={form!r}; allowed: {', '.join(KL_FORMS)}")
     return form
 
 

@@ -4,7 +4,8 @@ the student's sampled responses, and the per-token reverse KL to it is a dense a
 As verl's distillation loss with `use_policy_gradient=true` and `loss_mode=k1` (the Thinking Machines recipe
 verl-omni runs for Qwen3-Omni; verl-omni docs/algo/omni_opd.md, commit 0324b39786b2c5586d3747d9633ea8b631fe2183):
 k1_t = clamp(log π_θ(y_t) − log π_T(y_t), −c, c), whose mean under the student's samples is the reverse KL
-KL(π_θ ‖ π_T); the token advantage −sg(k1_t) enters the token-level PPO-clip loss (§5 GRPO). With `task_loss`
+KL(π_θ ‖ π_T); the token advantage −sg(k1_t) enters the token-level PPO-clip loss (§5 GRPO) with verl's dual
+clip (`clip_ratio_c`, 3: verl's distillation loss calls its vanilla policy loss, whose default it is). With `task_loss`
 grpo or gspo the reward's loss (that algorithm with its own defaults, `task_options` overriding) is added:
 L = L_task + `opd_coef`·L_opd; alone (`task_loss: none`) L = `opd_coef`·L_opd and the reward is only logged.
 
@@ -22,7 +23,15 @@ from ..batch import Rollout
 from .base import register_algorithm
 from .grpo_tokens import GRPO
 from .gspo import GSPO
-from .token_losses import LOSS_AGGS, TokenAlgorithm, TokenEvaluator, aggregate, token_stats
+from .token_losses import (
+    LOSS_AGGS,
+    TokenAlgorithm,
+    TokenEvaluator,
+    aggregate,
+    checked_clip_ratio_c,
+    ppo_token_terms,
+    token_stats,
+)
 
 TASK_LOSSES = ("none", "grpo", "gspo")
 
@@ -35,32 +44,32 @@ def reverse_kl_k1(log_prob: torch.Tensor, teacher_log_prob: torch.Tensor, clamp:
 
 def dense_ppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                    clip_low: float, clip_high: float, weight: torch.Tensor | None = None,
-                   agg: str = "seq_mean_token_mean"):
+                   agg: str = "seq_mean_token_mean", clip_ratio_c: float | None = None):
     """`token_losses.token_ppo_loss` with one advantage per token (B, R) instead of per sequence: ρ_t = exp(log π_θ −
-    log π_old), ℓ_t = max(−A_t·ρ_t, −A_t·clip(ρ_t, 1 − ε_low, 1 + ε_high)). Returns (loss, ρ, clipped mask)."""
-    ratio = torch.exp(log_prob - old_log_prob)
-    adv = advantages.to(log_prob)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    return aggregate(torch.maximum(unclipped, clipped), mask, weight, agg), ratio, clipped > unclipped
+    log π_old), ℓ_t = max(−A_t·ρ_t, −A_t·clip(ρ_t, 1 − ε_low, 1 + ε_high)), capped at −A_t·c where A_t < 0 (the
+    dual clip, c = `clip_ratio_c`; None: no cap). Returns (loss, ρ, clipped mask, dual-capped mask)."""
+    per_token, ratio, clipped, capped = ppo_token_terms(log_prob, old_log_prob, advantages.to(log_prob), clip_low,
+                                                        clip_high, clip_ratio_c)
+    return aggregate(per_token, mask, weight, agg), ratio, clipped, capped
 
 
 def opd_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, teacher_log_prob: torch.Tensor, mask: torch.Tensor,
              clip_low: float, clip_high: float, clamp: float | None, weight: torch.Tensor | None = None,
-             agg: str = "seq_mean_token_mean"):
+             agg: str = "seq_mean_token_mean", clip_ratio_c: float | None = None):
     """Token PPO-clip with the dense advantage A_t = −sg(k1_t): ρ_t = exp(log π_θ − log π_old),
-    ℓ_t = max(−A_t·ρ_t, −A_t·clip(ρ_t, 1 − ε_low, 1 + ε_high)), aggregated by `agg`.
-    Returns (loss, ρ, clipped mask, k1)."""
+    ℓ_t = max(−A_t·ρ_t, −A_t·clip(ρ_t, 1 − ε_low, 1 + ε_high)), ℓ_t ← min(ℓ_t, −A_t·c) where A_t < 0 (verl's dual
+    clip; c = `clip_ratio_c`, None: none), aggregated by `agg`. Returns (loss, ρ, clipped mask, dual-capped mask, k1)."""
     k1 = reverse_kl_k1(log_prob.detach(), teacher_log_prob, clamp)
-    loss, ratio, clipped = dense_ppo_loss(log_prob, old_log_prob, -k1, mask, clip_low, clip_high, weight, agg)
-    return loss, ratio, clipped, k1
+    loss, ratio, clipped, capped = dense_ppo_loss(log_prob, old_log_prob, -k1, mask, clip_low, clip_high, weight, agg,
+                                                  clip_ratio_c)
+    return loss, ratio, clipped, capped, k1
 
 
 @register_algorithm("opd")
 class OPD(TokenAlgorithm):
     def __init__(self, teacher_path: str, opd_coef: float = 1.0, task_loss: str = "none", task_options: dict | None = None,
                  clip_range: float = 0.2, clip_range_high: float | None = None, kl_clamp: float | None = 10.0,
-                 loss_agg: str = "seq_mean_token_mean"):
+                 loss_agg: str = "seq_mean_token_mean", clip_ratio_c: float | None = 3.0):
         if task_loss not in TASK_LOSSES:
             raise ValueError(f"algorithm.task_loss={task_loss!r}; allowed: {', '.join(TASK_LOSSES)}")
         if loss_agg not in LOSS_AGGS:
@@ -72,6 +81,7 @@ class OPD(TokenAlgorithm):
         if task_options and task_loss == "none":
             raise ValueError("algorithm.task_options is set but algorithm.task_loss=none: name grpo or gspo")
         self.teacher_path, self.opd_coef, self.kl_clamp, self.loss_agg = teacher_path, opd_coef, kl_clamp, loss_agg
+        self.clip_ratio_c = checked_clip_ratio_c(clip_ratio_c)
         self.clip_low = clip_range
         self.clip_high = clip_range if clip_range_high is None else clip_range_high
         self.task = None
@@ -96,9 +106,11 @@ class OPD(TokenAlgorithm):
         s = policy.token_scores(batch)
         with torch.no_grad():
             teacher = policy.response_log_probs(batch, batch.tokens, policy="teacher").to(s.log_prob)
-        loss, ratio, clipped, k1 = opd_loss(s.log_prob, s.old_log_prob, teacher, s.mask, self.clip_low,
-                                            self.clip_high, self.kl_clamp, s.weight, self.loss_agg)
-        stats = {f"opd/{n}": v for n, v in token_stats(loss, ratio, clipped, s.mask).items()}
+        loss, ratio, clipped, capped, k1 = opd_loss(s.log_prob, s.old_log_prob, teacher, s.mask, self.clip_low,
+                                                    self.clip_high, self.kl_clamp, s.weight, self.loss_agg,
+                                                    self.clip_ratio_c)
+        capped = None if self.clip_ratio_c is None else capped
+        stats = {f"opd/{n}": v for n, v in token_stats(loss, ratio, clipped, s.mask, capped).items()}
         m = s.mask.to(k1)
         stats["opd/reverse_kl"] = (k1 * m).sum() / m.sum().clamp(min=1)  # mean over response tokens
         stats["opd/teacher_log_prob"] = (teacher * m).sum() / m.sum().clamp(min=1)

@@ -62,34 +62,66 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor 
     raise ValueError(f"algorithm.loss_agg={agg!r}; allowed: {', '.join(LOSS_AGGS)}")
 
 
-def token_ppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                   clip_low: float, clip_high: float, weight: torch.Tensor | None = None,
-                   agg: str = "seq_mean_token_mean"):
-    """Token-level PPO-clip (§5 GRPO, DAPO's clip-higher with clip_high > clip_low): ρ_t = exp(log π_θ − log π_old),
-    ℓ_t = max(−A·ρ_t, −A·clip(ρ_t, 1 − ε_low, 1 + ε_high)), aggregated by `agg`. Returns (loss, ρ, clipped mask)."""
+def checked_clip_ratio_c(c: float | None) -> float | None:
+    """`algorithm.clip_ratio_c` as given, or a one-line ValueError: the dual clip's cap must be > 1 (verl asserts the
+    same), or null for no cap."""
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 1):
+        raise ValueError(f"algorithm.clip_ratio_c={c!r} must be a number > 1 or null (no dual clip)")
+    return None if c is None else float(c)
+
+
+def dual_clip(per_token: torch.Tensor, adv: torch.Tensor, clip_ratio_c: float | None):
+    """Dual-clip PPO (§5; Ye et al. 2020, arXiv 1912.09729; verl's `clip_ratio_c`): where A < 0 the PPO loss
+    ℓ = max(−A·ρ, −A·clip(ρ)) is capped at −A·c, ℓ' = min(ℓ, −A·c); where A ≥ 0, ℓ' = ℓ. For A < 0 the cap binds
+    exactly where ρ > c (c > 1), and there ℓ' has no gradient: a token the old policy found unlikely and the current
+    one likes (ρ > c) cannot drive an unbounded loss. `clip_ratio_c` None: ℓ. Returns (ℓ', capped mask)."""
+    if clip_ratio_c is None:
+        return per_token, torch.zeros_like(per_token, dtype=torch.bool)
+    cap = -adv * clip_ratio_c
+    negative = adv < 0
+    capped = negative & (per_token > cap)
+    return torch.where(negative, torch.minimum(per_token, cap), per_token), capped
+
+
+def ppo_token_terms(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adv: torch.Tensor, clip_low: float,
+                    clip_high: float, clip_ratio_c: float | None = None):
+    """Per-token PPO-clip terms (§5): ρ_t = exp(log π_θ − log π_old), ℓ_t = max(−A·ρ_t, −A·clip(ρ_t, 1 − ε_low,
+    1 + ε_high)), then the dual clip (`dual_clip`: ℓ_t ← min(ℓ_t, −A·c) where A < 0). `adv` broadcasts against
+    the log-probs: (B, 1) per sequence or (B, R) per token. Returns (ℓ, ρ, clipped mask, dual-capped mask)."""
     ratio = torch.exp(log_prob - old_log_prob)
-    adv = advantages.to(log_prob).unsqueeze(-1)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    return aggregate(torch.maximum(unclipped, clipped), mask, weight, agg), ratio, clipped > unclipped
+    per_token, capped = dual_clip(torch.maximum(unclipped, clipped), adv, clip_ratio_c)
+    return per_token, ratio, clipped > unclipped, capped
+
+
+def token_ppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                   clip_low: float, clip_high: float, weight: torch.Tensor | None = None,
+                   agg: str = "seq_mean_token_mean", clip_ratio_c: float | None = None):
+    """Token-level PPO-clip (§5 GRPO, DAPO's clip-higher with clip_high > clip_low): ρ_t = exp(log π_θ − log π_old),
+    ℓ_t = max(−A·ρ_t, −A·clip(ρ_t, 1 − ε_low, 1 + ε_high)), for A < 0 capped at −A·c (`clip_ratio_c`; None: no
+    cap), aggregated by `agg`. Returns (loss, ρ, clipped mask, dual-capped mask)."""
+    per_token, ratio, clipped, capped = ppo_token_terms(log_prob, old_log_prob, advantages.to(log_prob).unsqueeze(-1),
+                                                        clip_low, clip_high, clip_ratio_c)
+    return aggregate(per_token, mask, weight, agg), ratio, clipped, capped
 
 
 def gspo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              clip_low: float, clip_high: float, weight: torch.Tensor | None = None):
+              clip_low: float, clip_high: float, weight: torch.Tensor | None = None, clip_ratio_c: float | None = None):
     """GSPO (§5, arXiv 2507.18071): the sequence ratio s = exp(mean_t (log π_θ − log π_old)) over the response
-    tokens, clipped to [1 − ε_low, 1 + ε_high], ℓ = max(−A·s, −A·clip(s)). Each token carries the value s through
-    log s_t = log π_θ − sg(log π_θ) + sg(log s), so its gradient reaches every token (∂s_t/∂log π_θ,t = s) and the
-    token mean of the gradients is ∇s. Returns (loss, s (B,), clipped (B,))."""
+    tokens, clipped to [1 − ε_low, 1 + ε_high], ℓ = max(−A·s, −A·clip(s)); with `clip_ratio_c` c, for A < 0 capped at
+    −A·c on the sequence ratio (verl's GSPO has no such cap: GSPO's default is None). Each token carries the value s
+    through log s_t = log π_θ − sg(log π_θ) + sg(log s), so its gradient reaches every token (∂s_t/∂log π_θ,t = s)
+    and the token mean of the gradients is ∇s. Returns (loss, s (B,), clipped (B,), dual-capped (B,))."""
     m = mask.to(log_prob)
     log_s = masked_sum(log_prob - old_log_prob, m) / m.sum(-1).clamp(min=1)
     log_s_token = log_prob - log_prob.detach() + log_s.detach().unsqueeze(-1)
-    ratio = torch.exp(log_s_token)
-    adv = advantages.to(log_prob).unsqueeze(-1)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    loss = aggregate(torch.maximum(unclipped, clipped), mask, weight, "seq_mean_token_mean")
-    seq_clipped = (clipped > unclipped).any(-1) & (m.sum(-1) > 0)
-    return loss, torch.exp(log_s.detach()), seq_clipped
+    per_token, _, clipped, capped = ppo_token_terms(log_s_token, torch.zeros_like(log_s_token),
+                                                    advantages.to(log_prob).unsqueeze(-1), clip_low, clip_high,
+                                                    clip_ratio_c)
+    loss = aggregate(per_token, mask, weight, "seq_mean_token_mean")
+    real = m.sum(-1) > 0
+    return loss, torch.exp(log_s.detach()), clipped.any(-1) & real, capped.any(-1) & real
 
 
 def k3_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
@@ -137,12 +169,20 @@ class TokenAlgorithm(AlgorithmBase):
         return None
 
 
-def token_stats(loss: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor) -> dict:
+def token_stats(loss: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor,
+                capped: torch.Tensor | None = None) -> dict:
+    """The loss's metrics; `dual_clip_frac`: the share of response tokens (GSPO: sequences) the dual clip capped."""
     m = mask.to(ratio).reshape(ratio.shape) if ratio.shape == mask.shape else None
     if m is None:  # sequence-level ratio (GSPO): every sequence counts once
-        return {"policy_loss": loss.detach(), "clip_frac": clipped.float().mean(), "ratio_mean": ratio.mean(),
-                "ratio_absdev": (ratio - 1).abs().mean()}
+        stats = {"policy_loss": loss.detach(), "clip_frac": clipped.float().mean(), "ratio_mean": ratio.mean(),
+                 "ratio_absdev": (ratio - 1).abs().mean()}
+        if capped is not None:
+            stats["dual_clip_frac"] = capped.float().mean()
+        return stats
     n = m.sum().clamp(min=1)
     r = ratio.detach()
-    return {"policy_loss": loss.detach(), "clip_frac": (clipped.float() * m).sum() / n, "ratio_mean": (r * m).sum() / n,
-            "ratio_absdev": ((r - 1).abs() * m).sum() / n}
+    stats = {"policy_loss": loss.detach(), "clip_frac": (clipped.float() * m).sum() / n,
+             "ratio_mean": (r * m).sum() / n, "ratio_absdev": ((r - 1).abs() * m).sum() / n}
+    if capped is not None:
+        stats["dual_clip_frac"] = (capped.float() * m).sum() / n
+    return stats
