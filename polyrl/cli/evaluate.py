@@ -389,7 +389,7 @@ def main(args: list[str]) -> int:
 
     from ..config import ConfigError
     from ..config.schema import scorer_configs
-    from ..data.benchmarks import load_benchmark
+    from ..data.benchmarks import read_benchmark
     from ..distributed.engine import pick_device
     from ..models import MODELS
     from ..models.base import policy_kind
@@ -407,7 +407,12 @@ def main(args: list[str]) -> int:
         raise ConfigError("eval.compare_base=true compares a checkpoint with its base: give checkpoint=DIR")
     cfg = load_eval_config(ckpt, overrides)
     tokens = policy_kind(MODELS[cfg.model.name]) == "tokens"
-    rows, fmt = load_benchmark(cfg.data.path, opts.format)
+    try:
+        bench = read_benchmark(cfg.data.path, opts.format)
+    except ValueError as e:  # the file's own problems, each message names the file (and line)
+        raise UserError(str(e)) from None
+    print(bench.describe(), file=sys.stderr)
+    rows, fmt = bench.rows, bench.format
     if opts.max_prompts:
         rows = rows[: opts.max_prompts]
     names = list(opts.scorers or [cfg.reward.name])

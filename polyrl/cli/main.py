@@ -137,7 +137,7 @@ def cmd_sample(args: list[str]) -> int:
 
     from ..actor.local import load_trained_weights
     from ..config import validate
-    from ..data.prompts import load_prompts
+    from ..data.benchmarks import read_prompt_data
     from ..distributed import pick_device
     from ..models import MODELS, build_model
     from ..models.base import policy_kind
@@ -165,7 +165,10 @@ def cmd_sample(args: list[str]) -> int:
         raise UserError(str(e)) from None
     adapter = build_model(cfg.model, device)
     load_trained_weights(adapter, ckpt)
-    rows = load_prompts(cfg.data.heldout_path or cfg.data.path)
+    try:
+        rows = read_prompt_data(cfg.data.heldout_path or cfg.data.path).rows
+    except ValueError as e:  # the data file's own problems, each message names the file (and line)
+        raise UserError(str(e)) from None
     n = int(special.get("n", cfg.trainer.num_validation))
     reward = build_reward(OmegaConf.to_container(cfg.reward))
     cls = sampler_class(policy_kind(MODELS[cfg.model.name]))

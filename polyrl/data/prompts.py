@@ -24,16 +24,31 @@ import torch
 FORMATS = (".txt", ".jsonl", ".parquet")
 
 
+def _line_of(data: bytes, offset: int) -> int:
+    return data.count(b"\n", 0, offset) + 1
+
+
+def read_text(path: Path) -> str:
+    """The text of a UTF-8 file, a leading byte-order mark removed (spreadsheet exports start with one). A binary file
+    (a NUL byte), UTF-16 text or bytes that are not UTF-8 are a ValueError naming the file and line."""
+    data = path.read_bytes()
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise ValueError(f"{path}:1: UTF-16 text (byte-order mark 0x{data[:2].hex()}); save the file as UTF-8")
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise ValueError(f"{path}:{_line_of(data, nul)}: binary data (a NUL byte), not a text file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        column = e.start - data.rfind(b"\n", 0, e.start)
+        raise ValueError(f"{path}:{_line_of(data, e.start)}: not UTF-8 text (byte 0x{data[e.start]:02x} at column "
+                         f"{column}); save the file as UTF-8") from None
+    return text.removeprefix("\ufeff")
+
+
 def _text_lines(path: Path) -> list[str]:
-    """The lines of a UTF-8 text file; a line that is not UTF-8 is a ValueError naming the file, line and byte."""
-    lines = path.read_bytes().split(b"\n")
-    out = []
-    for n, raw in enumerate(lines, 1):
-        try:
-            out.append(raw.decode("utf-8").rstrip("\r"))
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}:{n}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                             "save the file as UTF-8") from None
+    """The lines of a UTF-8 text file (`read_text`), each without its line ending (LF or CRLF)."""
+    out = [line.removesuffix("\r") for line in read_text(path).split("\n")]
     return out[:-1] if out and out[-1] == "" else out
 
 

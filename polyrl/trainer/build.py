@@ -13,7 +13,8 @@ from ..actor.local import micro_batch_samples
 from ..algorithms import build_algorithm
 from ..config.schema import ConfigError
 from ..data import pair_format
-from ..data.prompts import MissingConditionImage, PromptSampler, load_prompts, row_location, split_row
+from ..data.benchmarks import Benchmark, read_prompt_data
+from ..data.prompts import MissingConditionImage, PromptSampler, split_row
 from ..distributed.dims import SHARDED_BACKENDS
 from ..errors import UserError
 from ..models import MODELS, build_model
@@ -42,8 +43,10 @@ def build_reward_and_algorithm(cfg: DictConfig):
     return reward, algo
 
 
-def load_data(cfg: DictConfig, reward, kind: str) -> Data:
-    """The run's prompts (or offline pairs) and held-out prompts, every row checked before anything trains."""
+def load_data(cfg: DictConfig, reward, kind: str, say=None) -> Data:
+    """The run's prompts (or offline pairs) and held-out prompts, every row checked before anything trains. A
+    benchmark's file (a .csv, .tsv, .json or a folder: data/benchmarks.py) is read as `polyrl eval` reads it, and
+    `say` is told what was read."""
     try:
         pairs = pair_format(kind)(cfg.rollout) if cfg.data.pairs_path else None
         rows = pairs.load(cfg.data.pairs_path) if pairs else None
@@ -54,28 +57,31 @@ def load_data(cfg: DictConfig, reward, kind: str) -> Data:
     needs_images = getattr(MODELS.get(cfg.model.name), "condition_images", False)
     needs_images = bool(needs_images(cfg.model.options) if callable(needs_images) else needs_images)
     try:
-        prompts = None if pairs else load_prompts(cfg.data.path, require_image=needs_images)
-        heldout = load_prompts(cfg.data.heldout_path, require_image=needs_images) if cfg.data.heldout_path else None
+        prompts = None if pairs else read_prompt_data(cfg.data.path, require_image=needs_images)
+        heldout = read_prompt_data(cfg.data.heldout_path, require_image=needs_images) if cfg.data.heldout_path else None
     except MissingConditionImage as e:
         raise ConfigError(f"{e}; model.name={cfg.model.name} needs a condition image in every row") from None
     except ValueError as e:  # the data file's own problems, each message names the file (and line)
         raise UserError(str(e)) from None
-    for path, checked in ((cfg.data.path, prompts), (cfg.data.heldout_path, heldout)):
-        check_rows(reward, path, checked)
-    return Data(PromptSampler(rows or prompts, cfg.trainer.seed, cfg.data.shuffle), heldout, pairs)
+    for key, bench in (("data.path", prompts), ("data.heldout_path", heldout)):
+        if bench is not None and bench.format != "polyrl" and say is not None:
+            say(bench.describe(key))
+        check_rows(reward, bench)
+    return Data(PromptSampler(rows or prompts.rows, cfg.trainer.seed, cfg.data.shuffle),
+                heldout.rows if heldout else None, pairs)
 
 
-def check_rows(reward, path, rows: list[dict] | None) -> None:
+def check_rows(reward, bench: Benchmark | None) -> None:
     """Every data row is one the reward can score (rewards that can tell define `check_prompt`)."""
     check = getattr(reward, "check_prompt", None)
-    if check is None or rows is None:
+    if check is None or bench is None:
         return
-    for i, row in enumerate(rows):
+    for i, row in enumerate(bench.rows):
         prompt, meta = split_row(row)
         try:
             check(prompt if isinstance(prompt, str) else prompt["text"], meta)
         except ValueError as e:
-            raise UserError(f"{row_location(path, i)}: {e}") from None
+            raise UserError(f"{bench.location(i)}: {e}") from None
 
 
 def build_policy(cfg: DictConfig, engine, algo, say, run_dir, reads_media: bool):

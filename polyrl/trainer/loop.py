@@ -73,7 +73,7 @@ class Trainer:
         self.device = self.engine.device
         self.reward, self.algo = build_reward_and_algorithm(cfg)
         self.reward_stage = RewardStage(self.reward, cfg.reward.name, overlap=bool(cfg.reward.get("async", False)))
-        self.data = load_data(cfg, self.reward, policy_kind(MODELS.get(cfg.model.name)))
+        self.data = load_data(cfg, self.reward, policy_kind(MODELS.get(cfg.model.name)), self.say)
         self.adapter, self.sampler, self.actor, self.compile_cache = build_policy(
             cfg, self.engine, self.algo, self.say, self.run_dir, self.reward_stage.reads_media)
         self.compiled = cfg.model.get("compile", "none") != "none"
