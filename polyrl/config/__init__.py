@@ -181,7 +181,7 @@ def load_config(overrides: list[str] | tuple[str, ...] = (), notes: list[str] | 
 
 COMMON_KEYS = (
     ("model.path", "a local diffusers directory (model_index.json + components)"),
-    ("data.path", ".txt (a prompt a line), .jsonl or .parquet with a `prompt` column"),
+    ("data.path", ".txt (a prompt a line), .jsonl or .parquet with a `prompt` column, or a benchmark's file"),
     ("data.heldout_path", "held-out prompts for the evaluation and the sample grid"),
     ("data.prompts_per_step", "prompt groups per step"),
     ("rollout.n", "samples per prompt (the group of the advantage)"),

@@ -85,10 +85,14 @@ class Benchmark:
     path: Path
     format: str
     why: str  # how the format was chosen: what detection saw, or `eval.format=...`
-    rows: list[dict]
-    locations: list[str] | None = None  # `file:line` of each row; None: `row_location` (a polyrl file)
+    rows: list[dict] = field(default_factory=list)
+    locations: list[str] | None = field(default_factory=list)  # `file:line` of each row; None: `row_location`
     read: list[str] = field(default_factory=list)  # a folder: the files read
     skipped: list[str] = field(default_factory=list)  # a folder: each file not read, and why
+
+    def add(self, where: str, row: dict) -> None:
+        self.rows.append(row)
+        self.locations.append(where)
 
     def location(self, index: int) -> str:
         return self.locations[index] if self.locations is not None else row_location(self.path, index)
@@ -109,17 +113,6 @@ class Benchmark:
         if self.skipped:
             text += f"\npolyrl:   not read: {'; '.join(self.skipped)}"
         return text
-
-
-class _Reading:
-    """Rows and their locations as a reader appends them."""
-
-    def __init__(self):
-        self.rows, self.locations = [], []
-
-    def add(self, where: str, row: dict) -> None:
-        self.rows.append(row)
-        self.locations.append(where)
 
 
 # ------------------------------------------------------------------------------------------------ detection
@@ -293,11 +286,10 @@ def read_benchmark(path: str | Path, fmt: str | None = None) -> Benchmark:
     else:
         _check_fits(path, fmt)
         why = f"eval.format={fmt}"
-    bench = Benchmark(path, fmt, why, [])
-    reading = READERS[fmt](path, bench)
-    if not reading.rows:
+    bench = Benchmark(path, fmt, why)
+    READERS[fmt](path, bench)
+    if not bench.rows:
         raise ValueError(f"{path}: holds no prompts (read as {fmt}: the file is empty or only blank lines)")
-    bench.rows, bench.locations = reading.rows, reading.locations
     return bench
 
 
@@ -314,7 +306,7 @@ def read_prompt_data(path: str | Path, require_image: bool = False) -> Benchmark
     if not path.exists():
         raise FileNotFoundError(f"data.path={str(path)!r} does not exist")
     if path.is_file() and path.suffix in FORMATS:
-        return Benchmark(path, "polyrl", "a polyrl prompt file", load_prompts(path, require_image))
+        return Benchmark(path, "polyrl", "a polyrl prompt file", load_prompts(path, require_image), None)
     bench = read_benchmark(path)
     if require_image:
         raise MissingConditionImage(f"{path}: no 'image' (read as {bench.format}, a prompt set of text only; use "
@@ -322,14 +314,11 @@ def read_prompt_data(path: str | Path, require_image: bool = False) -> Benchmark
     return bench
 
 
-def read_polyrl(path: Path, bench: Benchmark) -> _Reading:
-    reading = _Reading()
-    reading.rows = load_prompts(path)
-    reading.locations = None
-    for row in reading.rows:
+def read_polyrl(path: Path, bench: Benchmark) -> None:
+    bench.rows, bench.locations = load_prompts(path), None
+    for row in bench.rows:
         if "category" in row and row["category"] is not None:
             row["category"] = str(row["category"])
-    return reading
 
 
 def _check_clause(clause, where: str, what: str, n_before: int) -> None:
@@ -356,9 +345,8 @@ def _check_clause(clause, where: str, what: str, n_before: int) -> None:
                              f"include entry] with relation one of {', '.join(GENEVAL_POSITIONS)}; got {pos!r}")
 
 
-def read_geneval(path: Path, bench: Benchmark) -> _Reading:
+def read_geneval(path: Path, bench: Benchmark) -> None:
     """GenEval's evaluation_metadata.jsonl (module docstring): rows keep `tag`, `include`, `exclude`."""
-    reading = _Reading()
     for where, row in jsonl_rows(path, "GenEval"):
         near = {k: m[0] for k in row if k not in GENEVAL_KEYS
                 for m in [difflib.get_close_matches(k, GENEVAL_KEYS, n=1, cutoff=0.75)] if m}
@@ -376,8 +364,7 @@ def read_geneval(path: Path, bench: Benchmark) -> _Reading:
             _check_clause(clause, where, "include", i)
         for clause in exclude:
             _check_clause(clause, where, "exclude", 0)
-        reading.add(where, {**row, "exclude": exclude, "category": row["tag"]})
-    return reading
+        bench.add(where, {**row, "exclude": exclude, "category": row["tag"]})
 
 
 def _header(path: Path, cells: list[str], names: tuple[str, ...], what: str, line: int) -> tuple[list[str], str]:
@@ -412,10 +399,9 @@ def _table_row(path: Path, where: str, header: list[str], prompt_col: str, field
     return row
 
 
-def read_drawbench(path: Path, bench: Benchmark) -> _Reading:
+def read_drawbench(path: Path, bench: Benchmark) -> None:
     """DrawBench's csv: the spreadsheet dialect (a quoted cell keeps its commas, doubled quotes and line breaks;
     nothing is stripped); a malformed quote or a file that ends inside a quoted cell names the row's first line."""
-    reading = _Reading()
     reader = csv.reader(io.StringIO(read_text(path), newline=""), strict=True)
     line = 0
     try:
@@ -429,16 +415,14 @@ def read_drawbench(path: Path, bench: Benchmark) -> _Reading:
             if not any(f.strip() for f in fields):  # a blank line, or a row of empty cells
                 continue
             where = f"{path}:{start}"
-            reading.add(where, _table_row(path, where, header, prompt_col, fields))
+            bench.add(where, _table_row(path, where, header, prompt_col, fields))
     except csv.Error as e:
         raise ValueError(f"{path}:{line + 1}: not valid csv ({e}; a cell holding a comma, a quote or a line break is "
                          'quoted, its quotes doubled: "a ""quoted"" word")') from None
-    return reading
 
 
-def read_parti(path: Path, bench: Benchmark) -> _Reading:
+def read_parti(path: Path, bench: Benchmark) -> None:
     """PartiPrompts' tsv: tab-separated, no quoting: every cell as the line holds it."""
-    reading = _Reading()
     lines = _text_lines(path)
     if not lines:
         raise ValueError(f"{path}: empty (PartiPrompts.tsv starts with a header naming Prompt and Category)")
@@ -447,13 +431,12 @@ def read_parti(path: Path, bench: Benchmark) -> _Reading:
         if not line.strip():
             continue
         where = f"{path}:{n}"
-        reading.add(where, _table_row(path, where, header, prompt_col, line.split("\t")))
-    return reading
+        bench.add(where, _table_row(path, where, header, prompt_col, line.split("\t")))
 
 
-def _read_lines(reading: _Reading, file: Path, **meta) -> None:
+def _read_lines(bench: Benchmark, file: Path, **meta) -> None:
     for n, prompt in prompt_lines(file):
-        reading.add(f"{file}:{n}", {"prompt": prompt, **meta})
+        bench.add(f"{file}:{n}", {"prompt": prompt, **meta})
 
 
 def _compbench_meta(file: Path) -> dict:
@@ -461,14 +444,13 @@ def _compbench_meta(file: Path) -> dict:
     return {"category": category} | ({"split": split} if split else {})
 
 
-def read_t2i_compbench(path: Path, bench: Benchmark) -> _Reading:
+def read_t2i_compbench(path: Path, bench: Benchmark) -> None:
     """One prompt a line; the category (and split) from the file name (color_val.txt -> color, val). A folder: each
     category's `_val` list (T2I-CompBench's test set), or its only list; the folder's other lists (the full list,
     train, and the seen / unseen or action / spatial parts of val, which overlap it) are said and not read."""
-    reading = _Reading()
     if path.is_file():
-        _read_lines(reading, path, **_compbench_meta(path))
-        return reading
+        _read_lines(bench, path, **_compbench_meta(path))
+        return
     files = _txt_files(path)
     lists = [p for p in files if _compbench_name(p.stem)]
     if not lists:
@@ -486,7 +468,7 @@ def read_t2i_compbench(path: Path, bench: Benchmark) -> _Reading:
         chosen.append(pick)
         others += [p for p in group if p != pick]
     for file in chosen:
-        _read_lines(reading, file, **_compbench_meta(file))
+        _read_lines(bench, file, **_compbench_meta(file))
     bench.read = [p.name for p in chosen]
     if others:
         bench.skipped.append(f"{_names(others, 6)} (the other splits of the same categories; T2I-CompBench tests on "
@@ -494,7 +476,6 @@ def read_t2i_compbench(path: Path, bench: Benchmark) -> _Reading:
     rest = [p for p in files if p not in lists]
     if rest:
         bench.skipped.append(f"{_names(rest)} (not T2I-CompBench category lists)")
-    return reading
 
 
 def _vbench_meta(stem: str) -> dict:
@@ -526,7 +507,7 @@ def _json_list(path: Path) -> list[tuple[str, object]]:
     return out
 
 
-def _read_vbench_json(path: Path, reading: _Reading) -> None:
+def _read_vbench_json(path: Path, bench: Benchmark) -> None:
     """VBench_full_info.json (entries with `dimension`), or prompts/metadata/<dimension>.json (entries of one
     dimension, named by the file)."""
     for where, e in _json_list(path):
@@ -544,21 +525,20 @@ def _read_vbench_json(path: Path, reading: _Reading) -> None:
         else:
             raise ValueError(f"{where}: no 'dimension', and {path.name} is not named by a VBench dimension "
                              "(VBench_full_info.json lists each prompt's; prompts/metadata/<dimension>.json is one's)")
-        reading.add(where, row | rest)
+        bench.add(where, row | rest)
 
 
-def read_vbench(path: Path, bench: Benchmark) -> _Reading:
+def read_vbench(path: Path, bench: Benchmark) -> None:
     """VBench_full_info.json or a metadata .json, one list (a dimension's, a content category's or a complete one),
     or a folder of lists: its per-dimension lists (every dimension's, each line once: a prompt of two dimensions'
     lists is in both, as in VBench_full_info.json) or its per-category lists, with the complete lists beside them
     said and not read."""
-    reading = _Reading()
     if path.is_file():
         if path.suffix.lower() == ".json":
-            _read_vbench_json(path, reading)
+            _read_vbench_json(path, bench)
         else:
-            _read_lines(reading, path, **_vbench_meta(path.stem))
-        return reading
+            _read_lines(bench, path, **_vbench_meta(path.stem))
+        return
     files = _txt_files(path)
     dims = [p for p in files if p.stem in VBENCH_DIMENSIONS]
     cats = [p for p in files if p.stem in VBENCH_CATEGORIES]
@@ -573,9 +553,9 @@ def read_vbench(path: Path, bench: Benchmark) -> _Reading:
                              "of them, or the prompts_per_dimension folder, as data.path")
         chosen = alls
     for file in chosen:
-        _read_lines(reading, file, **_vbench_meta(file.stem))
+        _read_lines(bench, file, **_vbench_meta(file.stem))
     bench.read = [p.name for p in chosen]
-    read_prompts = Counter(r["prompt"] for r in reading.rows)
+    read_prompts = Counter(r["prompt"] for r in bench.rows)
     for p in (alls if chosen is not alls else []):
         same = Counter(line for _, line in prompt_lines(p)) == read_prompts
         bench.skipped.append(f"{p.name} ({'the same prompts as the lists read' if same else 'another prompt set'}: "
@@ -583,25 +563,20 @@ def read_vbench(path: Path, bench: Benchmark) -> _Reading:
     rest = [p for p in files if p not in chosen and p not in alls]
     if rest:
         bench.skipped.append(f"{_names(rest)} (not VBench {'per-dimension' if dims else 'per-category'} lists)")
-    return reading
 
 
-def read_ocr(path: Path, bench: Benchmark) -> _Reading:
+def read_ocr(path: Path, bench: Benchmark) -> None:
     """Flow-GRPO's OCR prompts: each line holds the text to render between double quotes (kept as `text`)."""
-    reading = _Reading()
     for n, prompt in prompt_lines(path):
         m = _QUOTED.search(prompt)
         if m is None or not m.group(1).strip():
             raise ValueError(f"{path}:{n}: no text in double quotes (an OCR prompt names the text to render, "
                              f'e.g. a sign that says "OPEN")')
-        reading.add(f"{path}:{n}", {"prompt": prompt, "text": m.group(1)})
-    return reading
+        bench.add(f"{path}:{n}", {"prompt": prompt, "text": m.group(1)})
 
 
-def read_pickscore(path: Path, bench: Benchmark) -> _Reading:
-    reading = _Reading()
-    _read_lines(reading, path)
-    return reading
+def read_pickscore(path: Path, bench: Benchmark) -> None:
+    _read_lines(bench, path)
 
 
 READERS = {"polyrl": read_polyrl, "geneval": read_geneval, "drawbench": read_drawbench, "parti": read_parti,
