@@ -152,15 +152,11 @@ def test_cli_config_prints_resolved(capsys):
     assert "${" not in out  # interpolations resolved
 
 
-def test_replay_only_model_refuses_a_likelihood_free_algorithm_when_composed():
-    """model=diffusers_pipeline evaluates its denoiser only by replaying recorded calls: under the default (DiffusionNFT)
-    the run stops at composition, naming the algorithms it trains, instead of at step 1 after loading; Flow-GRPO
-    through its recipe composes."""
-    with pytest.raises(ConfigError) as e:
-        load_config(["model=diffusers_pipeline", "model.path=/nowhere"])
-    msg = str(e.value)
-    assert "algorithm diffusion_nft evaluates the denoiser at noise levels of its own" in msg
-    assert "model=diffusers_pipeline can only replay" in msg and "flow_grpo" in msg and "recipe=toy_flow_grpo" in msg
-    assert "diffusion_nft" not in msg.split("algorithms it trains:")[1]
-    cfg = load_config(["recipe=toy_flow_grpo", "model=diffusers_pipeline", "model.path=/nowhere"])
-    assert cfg.model.name == "diffusers_pipeline" and cfg.algorithm.name == "flow_grpo"
+def test_the_generic_pipeline_composes_with_the_likelihood_free_algorithms():
+    """model=diffusers_pipeline re-calls its recorded denoiser calls at σ of an algorithm's own (models/
+    diffusers_pipeline.py `fresh_call`), so the default (DiffusionNFT) and the other likelihood-free recipes compose
+    with it, as Flow-GRPO's does."""
+    for recipe, algorithm in (("toy_shapes", "diffusion_nft"), ("toy_awm", "awm"), ("toy_dgpo", "dgpo"),
+                              ("toy_diffusion_dpo", "diffusion_dpo"), ("toy_flow_grpo", "flow_grpo")):
+        cfg = load_config([f"recipe={recipe}", "model=diffusers_pipeline", "model.path=/nowhere"])
+        assert cfg.model.name == "diffusers_pipeline" and cfg.algorithm.name == algorithm

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from polyrl.actor.local import LocalActor
 from polyrl.algorithms.base import AlgorithmBase
+from polyrl.algorithms.diffusion_nft import nft_loss
 from polyrl.cli.main import main
 from polyrl.errors import UserError
 from polyrl.latents import MediaShape
@@ -29,6 +30,7 @@ from polyrl.models.diffusers_pipeline import (
     _Recorder,
     cfg_renorm,
     combine,
+    fresh_call,
     identify,
     over_white,
     recorded_bytes,
@@ -107,6 +109,37 @@ def _check_live(actor, batch):
     assert (moved - batch.log_probs[:, 0]).abs().max() > 1e-6  # the exact replay agrees to ~1e-7
 
 
+def _check_fresh_sigma(gen_actor, ded_actor, batch, ref):
+    """At σ the rollout did not step through (a likelihood-free algorithm's forward process, on fresh x_t): the
+    generic velocity equals the dedicated adapter's under the rollout's guidance (AWM) and guidance 1 (the conditional
+    branch: DiffusionNFT, DGPO, Diffusion-DPO), and DiffusionNFT's loss and LoRA gradient on the same x_t, t and
+    batch agree to float32 rounding (measured: equal losses, gradients within 4e-7 relative)."""
+    x0 = batch.final["latents"]
+    t = torch.tensor([0.3, 0.81])  # on no rollout grid
+    eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(5))
+    x_t = (1 - t.view(-1, *[1] * (x0.dim() - 1))) * x0 + t.view(-1, *[1] * (x0.dim() - 1)) * eps
+    advantages = torch.tensor([1.5, -0.5])
+    results = []
+    for actor, b, key in ((gen_actor, batch, "latents"), (ded_actor, ref, "x")):
+        with torch.no_grad():
+            guided = actor.velocity(b, {key: x_t}, t)[key]
+        actor.optimizer.zero_grad()
+        v = actor.velocity(b, {key: x_t}, t, guidance=1.0)[key]
+        loss = nft_loss(v, v.detach(), x_t, x0, t, advantages, 5.0, 0.1)[0].mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in zip(actor.param_names, actor.params, strict=True) if p.grad is not None}
+        results.append((guided, v.detach(), float(loss.detach()), grads))
+    (g_guided, g_v, g_loss, g_grads), (d_guided, d_v, d_loss, d_grads) = results
+    assert (g_guided - d_guided).abs().max() < 1e-5 * d_guided.abs().max()
+    assert (g_v - d_v).abs().max() < 1e-5 * d_v.abs().max()
+    assert abs(g_loss - d_loss) < 1e-5 * abs(d_loss)
+    assert g_grads.keys() == d_grads.keys() and g_grads
+    flat_g = torch.cat([g_grads[n].flatten() for n in sorted(g_grads)])
+    flat_d = torch.cat([d_grads[n].flatten() for n in sorted(d_grads)])
+    grad_diff = float((flat_g - flat_d).norm() / flat_d.norm())
+    assert flat_d.norm() > 0 and grad_diff < 1e-5
+
+
 # ------------------------------------------------------------------------------------------------ pure pieces
 def test_identify_finds_the_form_and_names_what_it_saw():
     g = torch.Generator().manual_seed(0)
@@ -133,6 +166,61 @@ def test_identify_finds_the_form_and_names_what_it_saw():
                                                        "velocity of shape (2, 3, 8)")
     form, seen = identify([torch.cat([text, c], 1)], 2 * c, [1.0])
     assert form is None and ("head 3 positions" in seen or "tail 3 positions" in seen)
+
+
+def _records(sigmas, **arguments):
+    """One sample's records of a one-call, no-CFG step at each σ: `arguments` name -> a function of (step, σ) giving
+    its recorded row (a tensor) or the spec node ("latent")."""
+    steps = []
+    for j, sigma in enumerate(sigmas):
+        slots, kwargs = [], {}
+        for name, value in arguments.items():
+            value = value(j, sigma)
+            if isinstance(value, torch.Tensor):
+                slots.append(value[None])
+                kwargs[name] = ("rows", len(slots) - 1, 1)
+            else:
+                kwargs[name] = value
+        spec = ((("transformer", ("tuple", []), ("dict", kwargs)),), ("identity", (0,), 1.0, 1.0, None))
+        steps.append({"sigma": sigma, "key": "k", "spec": spec, "slots": slots})
+    return steps
+
+
+def test_a_fresh_sigma_identifies_the_timestep_or_names_what_it_could_not():
+    latent = lambda j, s: ("latent", torch.float32, 1)  # noqa: E731
+    t1000 = lambda j, s: torch.tensor(s, dtype=torch.float32) * 1000  # noqa: E731  (SD3, Wan: the scheduler's)
+    mask = lambda j, s: torch.ones(4)  # noqa: E731  (equal to σ at σ = 1)
+    embeds = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    fixed = lambda j, s: embeds  # noqa: E731
+    sigmas = [1.0, float(torch.tensor(0.7511211))]
+    fresh = fresh_call("P", _records(sigmas, hidden_states=latent, timestep=t1000, mask=mask, embeds=fixed), 1000.0)
+    node = fresh["spec"][0][0][2][1]
+    assert node["timestep"] == ("time", 0, 1, "T·σ", 1000.0) and node["mask"][0] == node["embeds"][0] == "rows"
+    # FLUX / Qwen-Image pass the scheduler's timestep / 1000, which float32 rounds apart from σ at some σ
+    per_1000 = lambda j, s: torch.tensor(s, dtype=torch.float32) * 1000 / 1000  # noqa: E731
+    fresh = fresh_call("P", _records(sigmas, hidden_states=latent, timestep=per_1000, embeds=fixed), 1000.0)
+    assert fresh["spec"][0][0][2][1]["timestep"][3] in ("T·σ/T", "σ")
+
+    def error(sigmas, **arguments):
+        return fresh_call("P", _records(sigmas, **arguments), 1000.0)["error"]
+
+    head = "model=diffusers_pipeline: P cannot be evaluated at a σ its rollout did not step through"
+    # one recorded step at σ = 1: a mask of ones is as good a timestep as the timestep
+    msg = error([1.0], hidden_states=latent, timestep=lambda j, s: torch.tensor([s]), mask=mask)
+    assert msg.startswith(head) and "2 arguments of transformer (timestep, mask) equal 1000·σ or σ at every " \
+        "recorded step" in msg and msg.endswith("(recorded σ: 1)")
+    assert error(sigmas, hidden_states=latent, embeds=fixed).startswith(
+        f"{head} (a likelihood-free algorithm's forward process): no argument of transformer equals 1000·σ or σ at "
+        "every recorded step, so its timestep is not identified")
+    assert "no argument of transformer is the latents" in error(sigmas, timestep=t1000, embeds=fixed)
+    drift = lambda j, s: embeds + j  # noqa: E731
+    assert "transformer's argument embeds changes from step to step and is neither its latents nor its timestep" in error(
+        sigmas, hidden_states=latent, timestep=t1000, embeds=drift)
+    two = _records(sigmas, hidden_states=latent, timestep=t1000)
+    calls, form = two[1]["spec"]
+    two[1]["spec"] = ((("transformer_2", *calls[0][1:]),), form)  # Wan2.2 A14B: the low-noise expert
+    assert "its steps call different denoisers (transformer at σ=1, transformer_2 at σ=0.7511)" in fresh_call(
+        "P", two, 1000.0)["error"]
 
 
 def test_rgba_is_composited_over_white():
@@ -169,6 +257,7 @@ def test_sd3_generic_equals_the_dedicated_adapter_and_replays_exactly(tiny_sd3_d
     for k in range(2):
         a, b = gen_actor.step(batch, k).log_prob, ded_actor.step(ref, k).log_prob
         assert (a - b).abs().max() < 1e-5 * b.abs().max()
+    _check_fresh_sigma(gen_actor, ded_actor, batch, ref)
     _check_live(gen_actor, batch)
     # memory, measured = computed from the shapes: the latents are not stored (taken from the batch), the prompt's
     # embeddings (CLIP + T5 tokens, max_sequence_length 16, joint width 64) and pooled projection (64) once per
@@ -200,6 +289,7 @@ def test_wan_generic_equals_the_dedicated_adapter_and_replays_exactly(tiny_wan_d
     for k in range(2):
         a, b = gen_actor.step(batch, k).log_prob, ded_actor.step(ref, k).log_prob
         assert (a - b).abs().max() < 1e-5 * b.abs().max()
+    _check_fresh_sigma(gen_actor, ded_actor, batch, ref)
 
 
 # ------------------------------------------------------------------------------------------------ refusal
@@ -274,12 +364,12 @@ def test_a_decode_that_fails_on_the_batch_names_decode_batch(tiny_sd3_dir, monke
     assert batch.media["images"].shape == (2, 3, 32, 32)
 
 
-def test_a_velocity_outside_the_recorded_steps_is_refused(tiny_sd3_dir):
+def test_a_velocity_without_recorded_calls_is_refused(tiny_sd3_dir):
     gen = _generic(tiny_sd3_dir)
     x = {"latents": torch.zeros(1, 4, 16, 16)}
     with pytest.raises(UserError, match="only by replaying the calls its rollout recorded"):
         gen.velocity(x, torch.ones(1), {}, {}, 1.0)
-    with pytest.raises(UserError, match=r"sample 0 recorded no denoiser call at σ=0.5"):
+    with pytest.raises(UserError, match=r"sample 0 recorded no denoiser call \(σ=0.5 asked\)"):
         gen.velocity(x, torch.full((1,), 0.5), {"replay": [[]]}, {}, 1.0)
 
 
@@ -428,23 +518,54 @@ def test_other_pipelines_replay_exactly(family, tmp_path, monkeypatch):
         _check_live(actor, batch)
 
 
-@pytest.mark.parametrize("family", ["chroma", "hunyuan_video15", "qwen_image21", "sana"])
-def test_two_steps_of_other_pipelines_through_the_cli(family, shape_prompts_file, tmp_path):
-    """2 training steps through the CLI on each family that has no dedicated adapter: metrics of every step, a
-    gradient, the held-out samples (Qwen-Image 2.1's RGBA decoded over white; HunyuanVideo-1.5 as a video)."""
+def _tiny_sd3(path, words):
+    from polyrl.models.tiny import TinySD3Spec, save_tiny_sd3
+
+    save_tiny_sd3(TinySD3Spec(words=words, image_size=32), path)
+
+
+def _tiny_wan(path, words):
+    from polyrl.models.tiny import TinyWanSpec, save_tiny_wan
+
+    save_tiny_wan(TinyWanSpec(words=words, layout="wan2.1"), path)
+
+
+# the CLI runs every family: those with a dedicated adapter too (their equality tests build theirs from fixtures)
+CLI_FAMILIES = {**FAMILIES, "sd3": (_tiny_sd3, 4.5, ("cfg", (0, 1)), MediaShape(32, 32), {}),
+                "wan": (_tiny_wan, 3.0, ("cfg", (1, 0)), MediaShape(16, 16, 5), {})}
+
+
+@pytest.mark.parametrize("family, recipe", [
+    # the default recipe's DiffusionNFT (an ODE rollout; velocities at σ of its own) on every family
+    *[(f, "toy_shapes") for f in sorted(CLI_FAMILIES)],
+    # the other likelihood-free algorithms on one family: AWM (the rollout's CFG at its own σ), DGPO, Diffusion-DPO
+    # (best / worst pairs: the records selected and concatenated with the batch)
+    *[("sd3", r) for r in ("toy_awm", "toy_dgpo", "toy_diffusion_dpo")],
+    # Flow-GRPO on the image families without a dedicated adapter (HunyuanVideo-1.5's replay is proven exact by
+    # test_other_pipelines_replay_exactly; its CLI run, ~10 s, is the DiffusionNFT one)
+    *[(f, "toy_flow_grpo") for f in ("chroma", "qwen_image21", "sana")],
+])
+def test_two_steps_of_other_pipelines_through_the_cli(family, recipe, shape_prompts_file, tmp_path):
+    """2 training steps through the CLI: DiffusionNFT (the default recipe's: velocities at σ the rollout did not step
+    through, the conditional branch of a CFG rollout) on every family, AWM, DGPO and Diffusion-DPO on SD3, Flow-GRPO
+    on the image families without a dedicated adapter: metrics of every step, a gradient, the held-out samples (Qwen-Image 2.1's RGBA decoded over
+    white; HunyuanVideo-1.5 as a video)."""
     from PIL import Image
 
-    build, scale, _, shape, options = FAMILIES[family]
+    build, scale, _, shape, options = CLI_FAMILIES[family]
     build(tmp_path / family, sorted({w for p in SHAPE_PROMPTS for w in p.split()}))
     out = tmp_path / "run"
-    args = ["train", "recipe=toy_flow_grpo", "model=diffusers_pipeline", f"model.path={tmp_path / family}",
+    # Flow-GRPO trains one SDE step; the others record 2 steps (the timestep is identified across them)
+    window = ["rollout.sde_window_size=1"] if recipe == "toy_flow_grpo" else ["rollout.sde_window_size=2",
+                                                                               "algorithm.num_timesteps=1"]
+    args = ["train", f"recipe={recipe}", "model=diffusers_pipeline", f"model.path={tmp_path / family}",
             f"data.path={shape_prompts_file}",
             f"data.heldout_path={shape_prompts_file}", f"trainer.output_dir={out}", "trainer.max_steps=2",
             f"rollout.height={shape.height}", f"rollout.width={shape.width}", "rollout.num_steps=2", "rollout.n=2",
             "data.prompts_per_step=2", "rollout.batch_size=4", f"rollout.guidance_scale={scale}",
             "trainer.eval_samples=2", "trainer.num_validation=2", "trainer.progress=false", "trainer.tensorboard=false",
-            "reward=jpeg_compressibility", "rollout.sde_window_size=1", "rollout.sde_window_range=[0,1]",
-            "trainer.eval_every=2", "trainer.save_every=0",
+            "reward=jpeg_compressibility", *window, "rollout.sde_window_range=[0,0]",
+            "trainer.eval_every=2", "trainer.save_every=0", "actor.lora_rank=4",
             *([f"rollout.num_frames={shape.frames}"] if shape.is_video else []),
             *[f"++model.options.{k}={v}" for k, v in options.items()]]
     assert main(args) == 0

@@ -425,12 +425,6 @@ def validate(raw: DictConfig) -> DictConfig:
                           f"only likelihood-free algorithms such as diffusion_nft may sample with the ODE)")
     if r.noise_level < 0:
         raise ConfigError(f"rollout.noise_level={r.noise_level} must be >= 0")
-    if not uses_log_probs and getattr(MODELS[cfg.model.name], "replays_rollout_only", False):
-        fitting = sorted(n for n, c in ALGORITHMS.items()
-                         if policy_kind(c) == "diffusion" and getattr(c, "uses_log_probs", True))
-        raise ConfigError(f"algorithm {cfg.algorithm.name} evaluates the denoiser at noise levels of its own, but "
-                          f"model={cfg.model.name} can only replay the calls its rollout recorded; algorithms it trains: "
-                          f"{', '.join(fitting)} (through a recipe that selects one, e.g. recipe=toy_flow_grpo)")
     if cfg.data.pairs_path is not None and not getattr(algo_cls, "trains_on_pairs", False):
         allowed = sorted(n for n, c in ALGORITHMS.items() if getattr(c, "trains_on_pairs", False))
         raise ConfigError(f"data.pairs_path is set but algorithm {cfg.algorithm.name} does not train on preference "

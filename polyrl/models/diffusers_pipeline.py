@@ -31,6 +31,14 @@ and a mask to them) keeps only its other channels, stored once while they are th
 structure, calls the live denoisers (LoRA weights with gradients) and recombines the outputs with the recorded
 form: the velocity the scheduler received, as a function of the trained weights.
 
+**A fresh σ.** A likelihood-free algorithm (DiffusionNFT, AWM, DGPO, Diffusion-DPO) asks for the velocity at σ and
+latents of its own. `fresh_call` identifies, across a sample's recorded steps, the one argument of each call that is
+the timestep — every element equal to T·σ or T·σ/T ≈ σ (TIMESTEP_FORMS; T the scheduler's num_train_timesteps) at
+every recorded step — and checks that everything else is the latent input or the same at every step; the sample's
+first recorded calls are then made with the given latents and that argument evaluated at the new σ. What cannot be
+identified is refused with one `polyrl: error:` line naming it. Guidance 1 on a CFG form (the conditional branch)
+runs only the conditional branch's rows.
+
 **Guidance scale.** `rollout.guidance_scale` goes to the pipeline's `true_cfg_scale` where it takes one, else its
 `guidance_scale`, else — a pipeline with a diffusers guider component (HunyuanVideo-1.5) — to a copy of that guider
 (`guider.new(guidance_scale=s)`) put in for the call; a guider in the original formulation c + s·(c − u) is the
@@ -203,23 +211,26 @@ def replay_bytes(once: list[tuple[int, tuple[int, ...], int]], per_step: list[tu
 
 
 # ----------------------------------------------------------------------------------------------- recording
+def _fingerprint_node(s):
+    """One recorded argument structure as a comparable value (constant tensors by their bytes)."""
+    tag = s[0]
+    if tag == "const":
+        v = s[1]
+        if isinstance(v, torch.Tensor):
+            data = v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            return ("T", tuple(v.shape), str(v.dtype), hashlib.sha1(data).hexdigest())
+        return ("V", repr(v))
+    if tag in ("list", "tuple"):
+        return (tag, tuple(_fingerprint_node(e) for e in s[1]))
+    if tag == "dict":
+        return (tag, tuple((k, _fingerprint_node(e)) for k, e in s[1].items()))
+    return s
+
+
 def _fingerprint(spec) -> str:
     """A string equal for two call structures that replay as one batch (constant tensors by their bytes)."""
-    def walk(s):
-        tag = s[0]
-        if tag == "const":
-            v = s[1]
-            if isinstance(v, torch.Tensor):
-                data = v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
-                return ("T", tuple(v.shape), str(v.dtype), hashlib.sha1(data).hexdigest())
-            return ("V", repr(v))
-        if tag in ("list", "tuple"):
-            return (tag, tuple(walk(e) for e in s[1]))
-        if tag == "dict":
-            return (tag, tuple((k, walk(e)) for k, e in s[1].items()))
-        return s
     calls, form = spec
-    return repr((tuple((name, walk(a), walk(k)) for name, a, k in calls), form))
+    return repr((tuple((name, _fingerprint_node(a), _fingerprint_node(k)) for name, a, k in calls), form))
 
 
 class _Stepper:
@@ -403,32 +414,217 @@ class _Recorder:
         return rows
 
 
-def _build(spec, recs: list[dict], x: torch.Tensor, device: torch.device):
+def _build(spec, recs: list[dict], x: torch.Tensor, device: torch.device, sigma: torch.Tensor | None = None,
+           block: int | None = None):
     """A recorded argument structure -> the arguments of one call for the samples of `recs` (rows block-major, as
-    the pipeline laid them out: block r holds every sample's r-th row)."""
+    the pipeline laid them out: block r holds every sample's r-th row). `sigma` (one per sample) fills the "time"
+    nodes of a call made at a fresh σ (`fresh_call`); `block` keeps only that row block of a call of several (the
+    conditional branch of a batched CFG call)."""
     tag = spec[0]
     if tag == "latent":
         _, dtype, m = spec
         x = x.to(dtype)
+        m = 1 if block is not None else m
         return torch.cat([x] * m) if m > 1 else x
     if tag == "latent_cat":
         _, dtype, m, slot = spec
-        return torch.cat([_build(("latent", dtype, m), recs, x, device),
-                          _build(("rows", slot, m), recs, x, device).to(dtype)], dim=1)
-    if tag == "rows":
-        _, slot, m = spec
-        stacked = torch.stack([r["slots"][slot] for r in recs]).to(device)  # (G, m, ...)
+        return torch.cat([_build(("latent", dtype, m), recs, x, device, sigma, block),
+                          _build(("rows", slot, m), recs, x, device, sigma, block).to(dtype)], dim=1)
+    if tag in ("rows", "time"):
+        slot, m = spec[1], spec[2]
+        if tag == "rows":
+            stacked = torch.stack([r["slots"][slot] for r in recs]).to(device)  # (G, m, ...)
+        else:  # the timestep as a function of each sample's σ, in the recorded dtype and shape
+            form, timescale = spec[3], spec[4]
+            like = recs[0]["slots"][slot]
+            value = TIMESTEP_FORMS[form](sigma.to(device, torch.float32), timescale).to(like.dtype)
+            stacked = value.view(-1, *[1] * like.dim()).expand(len(recs), *like.shape)
+        if block is not None:
+            stacked, m = stacked[:, block:block + 1], 1
         return stacked.transpose(0, 1).reshape(m * len(recs), *stacked.shape[2:])
     if tag == "rowlist":
         _, slot, m = spec
-        return [r["slots"][slot][k] for k in range(m) for r in recs]
+        blocks = range(m) if block is None else [block]
+        return [r["slots"][slot][k] for k in blocks for r in recs]
     if tag == "const":
         return spec[1].to(device) if isinstance(spec[1], torch.Tensor) else spec[1]
     if tag == "list":
-        return [_build(s, recs, x, device) for s in spec[1]]
+        return [_build(s, recs, x, device, sigma, block) for s in spec[1]]
     if tag == "tuple":
-        return tuple(_build(s, recs, x, device) for s in spec[1])
-    return {k: _build(s, recs, x, device) for k, s in spec[1].items()}
+        return tuple(_build(s, recs, x, device, sigma, block) for s in spec[1])
+    return {k: _build(s, recs, x, device, sigma, block) for k, s in spec[1].items()}
+
+
+def _blocks(spec) -> int | None:
+    """The row blocks (CFG branches) one recorded call carries, read from any per-row argument; None if it has none."""
+    tag = spec[0]
+    if tag in ("latent", "latent_cat", "rows", "rowlist", "time"):
+        return spec[2]
+    children = spec[1].values() if tag == "dict" else spec[1] if tag in ("list", "tuple") else ()
+    return next((m for m in map(_blocks, children) if m is not None), None)
+
+
+def branch_call(calls: tuple, branch: int) -> tuple[int, int] | None:
+    """(call index, row block) that produces output branch `branch` (branches are numbered call by call, block by
+    block, as `_keep` splits them), or None where a call's blocks cannot be read from its arguments."""
+    first = 0
+    for c, (_, args_spec, kwargs_spec) in enumerate(calls):
+        m = _blocks(("list", [args_spec, kwargs_spec]))
+        if m is None:
+            return None
+        if branch < first + m:
+            return c, branch - first
+        first += m
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- a fresh σ
+# The timestep argument as a function of σ, with T the scheduler's num_train_timesteps: the scheduler's timestep T·σ
+# (SD3, Wan, Sana, HunyuanVideo-1.5 pass it as it is), or that divided by T (FLUX, Chroma, Qwen-Image), which float32
+# may round apart from σ itself. Evaluated in float32, then cast to the dtype the pipeline passed.
+TIMESTEP_FORMS = {
+    "T·σ": lambda s, t: s * t,
+    "T·σ/T": lambda s, t: s * t / t,
+    "σ": lambda s, t: s,
+}
+TIME_TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def _time_matches(value: torch.Tensor, want: torch.Tensor, exact: bool) -> bool:
+    """Every element of `value` equals `want` (a float32 scalar) in value's dtype, or within its TIME_TOLERANCE."""
+    if exact:
+        want = want.to(value.dtype)
+        first = value.reshape(-1)[0]
+        return bool(first == want) and bool((value == want).all())  # the first element rules most arguments out
+    tol = TIME_TOLERANCE.get(value.dtype, 1e-2) * abs(float(want))
+    return (abs(float(value.reshape(-1)[0]) - float(want)) <= tol
+            and bool(((value.double() - float(want)).abs() <= tol).all()))
+
+
+def timestep_form(values: list, sigmas: list[float], timescale: float) -> str | None:
+    """The first form f of TIMESTEP_FORMS with every element of values[r] = f(σ_r) at every recorded step r
+    (exactly; failing that, within TIME_TOLERANCE relative), or None."""
+    if not all(isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() for v in values):
+        return None
+    for exact in (True, False):
+        for name, f in TIMESTEP_FORMS.items():
+            if all(_time_matches(v, f(torch.tensor(s, dtype=torch.float32), timescale), exact)
+                   for v, s in zip(values, sigmas, strict=True)):
+                return name
+    return None
+
+
+def _same(values: list) -> bool:
+    """All recorded values equal the first (the same tensor, or equal values)."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return all(v is first or (isinstance(v, torch.Tensor) and v.shape == first.shape and v.dtype == first.dtype
+                                  and torch.equal(v, first)) for v in values[1:])
+    return all(v == first for v in values[1:])
+
+
+def _fresh_node(nodes: list, slots: list[list], sigmas: list[float], timescale: float, path: str, found: dict):
+    """One argument of a call, recorded at each of a sample's steps (`nodes`, `slots` per step) -> its fresh-σ spec:
+    the timestep becomes a "time" node; everything else must be the latents or the same at every step. Notes in
+    `found`: (path, form) of the timestep ("time"), count of latent inputs ("latent"), paths that change ("changes")."""
+    node, tag = nodes[0], nodes[0][0]
+    if any(n[0] != tag for n in nodes):
+        found["changes"].append(path)
+        return node
+    if tag == "const":
+        if len({repr(_fingerprint_node(n)) for n in nodes}) > 1:
+            found["changes"].append(path)
+        return node
+    if tag == "latent":
+        found["latent"] += 1
+        return node
+    if tag == "latent_cat":
+        found["latent"] += 1
+        if not _same([s[n[3]] for s, n in zip(slots, nodes, strict=True)]):
+            found["changes"].append(f"{path} (its channels after the latents)")
+        return node
+    if tag == "rows":
+        values = [s[n[1]] for s, n in zip(slots, nodes, strict=True)]
+        form = timestep_form(values, sigmas, timescale)
+        if form is not None:
+            found["time"].append((path, form))
+            return ("time", node[1], node[2], form, timescale)
+        if not _same(values):
+            found["changes"].append(path)
+        return node
+    if tag == "rowlist":
+        if not _same([s[n[1]] for s, n in zip(slots, nodes, strict=True)]):
+            found["changes"].append(path)
+        return node
+    if tag in ("list", "tuple"):
+        if len({len(n[1]) for n in nodes}) > 1:
+            found["changes"].append(path)
+            return node
+        return (tag, [_fresh_node([n[1][i] for n in nodes], slots, sigmas, timescale, f"{path}[{i}]", found)
+                      for i in range(len(node[1]))])
+    if len({tuple(n[1]) for n in nodes}) > 1:
+        found["changes"].append(path)
+        return node
+    return ("dict", {k: _fresh_node([n[1][k] for n in nodes], slots, sigmas, timescale, f"{path}.{k}", found)
+                     for k in node[1]})
+
+
+def _argument(path: str) -> str:
+    """A call argument's name from its `_fresh_node` path: "timestep" for kwargs.timestep, "0" for args[0]."""
+    if path.startswith("kwargs."):
+        return path[len("kwargs."):]
+    return path[len("args["):].replace("]", "", 1) if path.startswith("args[") else path
+
+
+def fresh_call(name: str, steps: list[dict], timescale: float) -> dict:
+    """How one sample's denoiser calls are made at a σ its rollout did not step through (a likelihood-free
+    algorithm's forward process): the calls of its first recorded step with, in each call, the one argument that
+    equals a TIMESTEP_FORMS form of σ at every recorded step made a function of σ, and the latent input taken from
+    the latents given — {"spec", "key"} (the spec reads the first step's slots); or {"error": one line} naming what
+    could not be identified (no timestep, two candidates, no latent input, an argument that changes from step to step
+    otherwise, calls or a combination that differ between steps)."""
+    sigmas = [r["sigma"] for r in steps]
+    recorded = f"(recorded σ: {', '.join(f'{s:.4g}' for s in sigmas)})"
+
+    def fail(reason: str) -> dict:
+        return {"error": f"model=diffusers_pipeline: {name} cannot be evaluated at a σ its rollout did not step "
+                         f"through (a likelihood-free algorithm's forward process): {reason} {recorded}"}
+
+    calls0, form0 = steps[0]["spec"]
+    for rec in steps[1:]:
+        calls, form = rec["spec"]
+        if [c[0] for c in calls] != [c[0] for c in calls0]:
+            return fail(f"its steps call different denoisers ({', '.join(c[0] for c in calls0)} at σ={sigmas[0]:.4g}, "
+                        f"{', '.join(c[0] for c in calls)} at σ={rec['sigma']:.4g})")
+        if form[:4] != form0[:4]:
+            return fail(f"its steps combine their outputs differently ({form0[0]} scale {form0[2]:g} at "
+                        f"σ={sigmas[0]:.4g}, {form[0]} scale {form[2]:g} at σ={rec['sigma']:.4g})")
+    slots = [rec["slots"] for rec in steps]
+    fresh, times = [], []
+    for c, (network, _, _) in enumerate(calls0):
+        label = f"{network} (call {c + 1} of {len(calls0)})" if len(calls0) > 1 else network
+        found = {"time": [], "latent": 0, "changes": []}
+        args = _fresh_node([rec["spec"][0][c][1] for rec in steps], slots, sigmas, timescale, "args", found)
+        kwargs = _fresh_node([rec["spec"][0][c][2] for rec in steps], slots, sigmas, timescale, "kwargs", found)
+        paths = [_argument(p) for p, _ in found["time"]]
+        if found["changes"]:
+            one = len(found["changes"]) == 1
+            return fail(f"{label}'s {'argument' if one else 'arguments'} {', '.join(map(_argument, found['changes']))} "
+                        f"{'changes' if one else 'change'} from step to step and {'is' if one else 'are'} neither its "
+                        "latents nor its timestep")
+        if not found["latent"]:
+            return fail(f"no argument of {label} is the latents")
+        if not paths:
+            return fail(f"no argument of {label} equals {timescale:g}·σ or σ at every recorded step, so its timestep "
+                        "is not identified")
+        if len(paths) > 1:
+            return fail(f"{len(paths)} arguments of {label} ({', '.join(paths)}) equal {timescale:g}·σ or σ at every "
+                        "recorded step, so which is the timestep is not identified (more recorded steps tell them "
+                        "apart: rollout.sde_window_size)")
+        fresh.append((network, args, kwargs))
+        times.append(found["time"])
+    # batched with the samples whose first recorded step has the same structure (its key) and the same timesteps
+    return {"spec": (tuple(fresh), form0), "key": f"fresh {steps[0]['key']} {times!r}"}
 
 
 # ----------------------------------------------------------------------------------------------- the policy
@@ -441,9 +637,6 @@ class PipelinePolicy:
     # `max_sequence_length` passed to the pipeline where it takes one (null: the pipeline's default);
     # `decode_batch` the VAE decodes this many samples at a time (null: the whole batch in one call)
     options = {"pipeline": "", "max_sequence_length": None, "decode_batch": None}
-    # the denoiser is evaluated only by replaying the calls a rollout recorded: a likelihood-free algorithm, which
-    # noises samples to σ of its own, has nothing to replay (checked when the config is composed)
-    replays_rollout_only = True
 
     def __init__(self, cfg, device: torch.device):
         import diffusers
@@ -477,6 +670,8 @@ class PipelinePolicy:
                 raise UserError(f"model=diffusers_pipeline: {self.name}.__call__ takes no `{needed}`")
         self.default_lora_targets = attention_lora_targets(self.networks)
         self.flops = 0.0  # not counted: the generic adapter knows no architecture (docs/algorithms.md §6)
+        # T of a timestep T·σ (`fresh_call`): the scheduler's num_train_timesteps
+        self.timescale = float(self.pipe.scheduler.config.get("num_train_timesteps", 1000))
         self._probed: dict = {}
 
     def modules(self) -> dict[str, torch.nn.Module]:
@@ -652,34 +847,52 @@ class PipelinePolicy:
 
     # ------------------------------------------------------------------------------------------- replay
     def velocity(self, latents: Latents, sigma: torch.Tensor, cond: Cond, shared: Cond, guidance: float) -> Latents:
-        """The recorded calls of each sample's step at `sigma`, replayed on the live networks and recombined."""
+        """Each sample's recorded calls at `sigma` — the ones of its step at that σ, else (a σ the rollout did not step
+        through) its first step's with the timestep made σ's (`fresh_call`) — run on the live networks with the given
+        latents and recombined; `guidance` 1 on a CFG form runs only the conditional branch's rows."""
         records = cond.get("replay")
         if records is None:
             raise UserError("model=diffusers_pipeline evaluates its denoiser only by replaying the calls its rollout "
                             "recorded (Rollout.extras['replay']); this algorithm or stage asks for a velocity "
                             "outside a rollout")
         x = latents["latents"]
-        picks = []
+        picks = []  # per sample: (record whose slots the call reads, call structure, batching key)
         for i, steps in enumerate(records):
             s = float(sigma[i])
             rec = next((r for r in steps if r["sigma"] == s), None)
-            if rec is None:
-                raise UserError(f"model=diffusers_pipeline: sample {i} recorded no denoiser call at σ={s:g} (recorded: "
-                                f"{[r['sigma'] for r in steps]}); only the rollout's trained steps can be re-scored")
-            picks.append(rec)
+            if rec is not None:
+                picks.append((rec, rec["spec"], rec["key"]))
+                continue
+            if not steps:
+                raise UserError(f"model=diffusers_pipeline: sample {i} recorded no denoiser call (σ={s:g} asked)")
+            if "fresh" not in steps[0]:  # identified once per sample, kept with its records
+                steps[0]["fresh"] = fresh_call(self.name, steps, self.timescale)
+            fresh = steps[0]["fresh"]
+            if "error" in fresh:
+                raise UserError(fresh["error"])
+            picks.append((steps[0], fresh["spec"], fresh["key"]))
         groups: dict[str, list[int]] = {}
-        for i, rec in enumerate(picks):
-            groups.setdefault(rec["key"], []).append(i)
+        for i, (_, _, key) in enumerate(picks):
+            groups.setdefault(key, []).append(i)
         parts, order = [], []
         for idx in groups.values():
-            recs = [picks[i] for i in idx]
-            calls, form = recs[0]["spec"]
+            recs = [picks[i][0] for i in idx]
+            calls, form = picks[idx[0]][1]
             rows = torch.tensor(idx, device=x.device)
-            xg = x.index_select(0, rows)
+            xg, sg = x.index_select(0, rows), sigma.index_select(0, rows.to(sigma.device))
+            cond_only = branch_call(calls, form[1][1]) if guidance == 1.0 and form[0] in COMBINATIONS else None
+            if cond_only is not None:  # guidance 1: the conditional branch alone (combine's answer, half the rows)
+                c, block = cond_only
+                name, args_spec, kwargs_spec = calls[c]
+                out = first_tensor(self.networks[name](*_build(args_spec, recs, xg, self.device, sg, block),
+                                                       **_build(kwargs_spec, recs, xg, self.device, sg, block)))
+                parts.append((form[3] * crop(out, form[4] if len(form) > 4 else None)).float())
+                order += idx
+                continue
             branches = []
             for name, args_spec, kwargs_spec in calls:
-                out = first_tensor(self.networks[name](*_build(args_spec, recs, xg, self.device),
-                                                       **_build(kwargs_spec, recs, xg, self.device)))
+                out = first_tensor(self.networks[name](*_build(args_spec, recs, xg, self.device, sg),
+                                                       **_build(kwargs_spec, recs, xg, self.device, sg)))
                 m = out.shape[0] // len(idx)
                 branches += list(out.reshape(m, len(idx), *out.shape[1:]).unbind(0))
             parts.append(combine(form, branches, guidance).float())
@@ -695,5 +908,5 @@ class PipelinePolicy:
                         "separate decode")
 
     def encode_media(self, media: Media) -> Latents:
-        raise UserError("model=diffusers_pipeline has no media encoder (offline pairs and forward-process losses "
+        raise UserError("model=diffusers_pipeline has no media encoder (offline preference pairs, data.pairs_path, "
                         "need a dedicated model file)")
