@@ -366,6 +366,16 @@ def test_every_bad_input_is_one_error_line(tmp_path, capsys, command):
                          f"trainer.output_dir={tmp_path / 'run'}"])
         lines = _lines(capsys)
         assert code == 2 and lines == [lines[0]] and lines[0].startswith(f"polyrl: error: {path}{message}"), lines
+    if command == "train":  # a benchmark's file: said as eval says it; a row the reward cannot score named by line
+        tsv = write(tmp_path / "PartiPrompts.tsv", "Prompt\tCategory\tChallenge\tNote\na red circle\tArts\tBasic\t\n"
+                                                   "a purple hexagon \tArts\tBasic\t\n")
+        assert main(["train", f"model.path={tmp_path / 'no-model'}", f"data.path={tsv}", "data.heldout_path=null",
+                     f"trainer.output_dir={tmp_path / 'run'}"]) == 2
+        lines = _lines(capsys)
+        assert lines[0] == (f"polyrl: data.path={tsv} read as parti (a .tsv file: PartiPrompts' table): 2 prompts, "
+                            "1 category: 'Arts' 2")
+        assert lines[1].startswith(f"polyrl: error: {tsv}:3: shapes reward cannot parse prompt 'a purple hexagon '")
+        assert len(lines) == 2
     if command == "eval":
         assert _eval(tmp_path / "wrong.csv", "eval.format=drawbenh") == 2
         assert _lines(capsys) == ["polyrl: error: eval.format='drawbenh' is not a format (did you mean drawbench?); "

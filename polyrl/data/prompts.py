@@ -31,7 +31,12 @@ def _line_of(data: bytes, offset: int) -> int:
 def read_text(path: Path) -> str:
     """The text of a UTF-8 file, a leading byte-order mark removed (spreadsheet exports start with one). A binary file
     (a NUL byte), UTF-16 text or bytes that are not UTF-8 are a ValueError naming the file and line."""
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # no permission, a folder where a file was expected
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
     if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
         raise ValueError(f"{path}:1: UTF-16 text (byte-order mark 0x{data[:2].hex()}); save the file as UTF-8")
     nul = data.find(b"\x00")
