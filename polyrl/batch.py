@@ -170,6 +170,9 @@ class Rollout:
     step_weights: torch.Tensor | None = None  # (B, W) truncated IS weight × rejection mask (decoupled mode)
     extras: dict = field(default_factory=dict)  # an algorithm's per-sample payload (e.g. DPO's rejected latents)
     tokens: TokenBatch | None = None  # token policies: prompt and response ids and masks
+    # (B,) long: each sample's place in the step's global training batch, set by the actor's update; it keys the
+    # update's random draws (draws.py), so no layout (ranks, micro-batches) changes which numbers a sample gets
+    sample_index: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -14,6 +14,7 @@ from polyrl.actor.local import group_micro_batches, group_minibatches
 from polyrl.algorithms.awm import awm_loss, matching_log_prob, matching_weighting
 from polyrl.algorithms.dgpo import dgpo_clip_mask, dgpo_loss, dsm_error, ema_ref_decay, group_noise
 from polyrl.algorithms.forward_process import discrete_sigma, noise_to, uniform_sigma
+from polyrl.draws import UpdateDraws
 
 
 def t64(a):
@@ -87,11 +88,15 @@ def test_ema_ref_decay_ramp():
     assert [ema_ref_decay(s, 0.001, 0.3) for s in (0, 10, 299, 300, 5000)] == pytest.approx([0, 0.01, 0.299, 0.3, 0.3])
 
 
-def test_group_noise_is_shared_within_groups_only():
+def test_group_noise_is_shared_within_groups_only_and_keyed_by_the_group():
     x0 = {"x": torch.zeros(6, 2, 3)}
-    eps = group_noise(x0, torch.tensor([5, 7, 5, 9, 7, 5]), torch.Generator().manual_seed(0))["x"]
+    draws = UpdateDraws(11)
+    eps = group_noise(x0, torch.tensor([5, 7, 5, 9, 7, 5]), draws)["x"]
     assert torch.equal(eps[0], eps[2]) and torch.equal(eps[0], eps[5]) and torch.equal(eps[1], eps[4])
     assert not torch.equal(eps[0], eps[1]) and not torch.equal(eps[1], eps[3])
+    # a group's noise depends on its id only, not on which other groups share the micro-batch (§7)
+    alone = group_noise({"x": torch.zeros(2, 2, 3)}, torch.tensor([9, 9]), draws)["x"]
+    assert torch.equal(alone[0], eps[3]) and torch.equal(alone[1], eps[3])
 
 
 def test_noise_to_flow_matching_interpolation():

@@ -10,7 +10,7 @@ import polyrl
 
 ROOT = Path(polyrl.__file__).parent
 # lowest first; a unit may import only units listed before it
-LAYERS = ["errors", "registry", "latents", "media", "batch", "perf", "models", "sampling", "algorithms", "toy", "rewards", "data",
+LAYERS = ["errors", "registry", "draws", "latents", "media", "batch", "perf", "models", "sampling", "algorithms", "toy", "rewards", "data",
           "evaluation", "distributed", "actor", "config", "serving", "trainer", "cli", "__init__", "__main__"]
 TRAINER_MAX_LINES = 400
 

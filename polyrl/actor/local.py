@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from ..batch import Rollout
 from ..distributed.dcp import DCP_DIR, adam_state, load_sharded
 from ..distributed.engine import LocalEngine
+from ..draws import UpdateDraws
 from ..errors import UserError
 from ..latents import Latents, select_step
 from ..models.base import DiffusionPolicy, stream_sigma_1, stream_sigmas
@@ -244,7 +245,7 @@ class LocalActor:
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         for p in self.params:
-            p.data = p.data.float()
+            p.data = p.data.to(torch.promote_types(p.dtype, torch.float32))  # float64 networks keep float64
         self.engine.broadcast_params(self.params)
         self.params = self._distribute(networks)  # a sharding actor's parameters are new (sharded) tensors
         self.optimizer = torch.optim.AdamW(
@@ -255,7 +256,7 @@ class LocalActor:
         self.old_params = [p.detach().clone() for p in self.params] if keep_old else None
         self.num_updates = 0
         self.optimizer_steps = 0  # the old copy's clock when the algorithm moves it every optimizer step
-        self.generator = torch.Generator().manual_seed(0)
+        self.draws = UpdateDraws(0)  # the update in progress's keyed random numbers (set by `update`)
         self._masked: list = []
         self._dummy = False  # a padding micro-batch (see `_lockstep`) is running: record nothing
         self._sizes: list[int] = []  # every data-parallel rank's number of samples in the update in progress
@@ -440,9 +441,11 @@ class LocalActor:
 
         With several ranks each holds a contiguous share of the global batch: the shuffled order and the
         mini-batches are global, each rank runs its own samples of a mini-batch, and every loss is normalised by
-        the global mini-batch size, so the summed gradient equals the 1-process one.
+        the global mini-batch size, so the summed gradient equals the 1-process one. `generator` (the step's update
+        stream) shuffles the mini-batches; the loss terms' draws are keyed by it and by each sample's place in the
+        global batch (`Rollout.sample_index`, draws.py), so no layout changes them.
         """
-        self.generator = generator
+        self.draws = UpdateDraws(generator.initial_seed())
         # one copy to the device per update, not one per micro-batch and step: the conditioning alone is
         # ~100 MB per SD3 micro-batch (queued without waiting: Rollout.to); the sizes are host numbers, so that
         # nothing here waits for the copy
@@ -450,6 +453,7 @@ class LocalActor:
         sizes = [int(n) for n in self.engine.gather_objects(len(batch))]
         b, offset = sum(sizes), sum(sizes[: self.engine.dp_rank])
         self._sizes = sizes
+        batch.sample_index = torch.arange(offset, offset + len(batch))
         if b == 0:  # e.g. online DPO when every group's rewards are equal: nothing to learn from
             self._update_old(algo)
             return {"train/samples": 0.0}

@@ -10,8 +10,8 @@ gradient is −A·∇log p_θ, the advantage-weighted flow-matching gradient; `o
 (EMA, `actor.ema_decay`) policy and scores log p_old under it.
 
 The velocity is the guided one of the rollout (`rollout.guidance_scale`), as Flow-Factory's forward uses the
-training guidance. Differences from Flow-Factory: the σ of a loss term is shared by the micro-batch (Flow-Factory:
-by the step); `ema_kl_beta` is not offered.
+training guidance. The σ of a loss term is shared by the update's samples (Flow-Factory: by the step); ε is drawn
+per sample and term from keyed streams (§7). Differences from Flow-Factory: `ema_kl_beta` is not offered.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class AWM(AlgorithmBase):
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
         x0 = batch.final
         t = term_time(self.time_sampling, self.lo, self.hi, k, self.num_timesteps, policy, batch)
-        eps = fresh_noise(x0, policy.generator)
+        eps = fresh_noise(x0, policy.draws, batch, k)
         t_entry = policy.stream_sigmas(t)
         x_t, target = noise_to(x0, eps, t_entry)
         v = policy.velocity(batch, x_t, t)

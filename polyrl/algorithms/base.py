@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from ..batch import Rollout
+from ..draws import UpdateDraws
 from ..latents import Latents
 from ..registry import Registry
 from ..sampling.steps import StepOut
@@ -22,7 +23,7 @@ POLICIES = ("current", "reference", "old", "teacher")  # and "teacher:<j>", the 
 
 
 class PolicyEvaluator(Protocol):
-    generator: torch.Generator  # the update's RNG (forward-process losses draw t and ε from it)
+    draws: UpdateDraws  # the update's random numbers, keyed by sample and term (forward-process t, ε; §7)
 
     def step(self, batch: Rollout, k: int, policy: str = "current") -> StepOut:
         """Re-score the stored transition latents[:, k] -> latents[:, k+1] under `policy` (one of POLICIES).
@@ -97,6 +98,17 @@ class AlgorithmBase:
 
 
 Algorithm = AlgorithmBase
+
+
+def sample_index(batch: Rollout) -> torch.Tensor:
+    """(B,) the samples' places in the step's global batch (the keys of their draws, §7); a batch outside an update
+    (a test's, an evaluation's) is keyed by its own order."""
+    return torch.arange(len(batch)) if batch.sample_index is None else batch.sample_index.cpu()
+
+
+def latent_shapes(latents: Latents) -> dict[str, tuple[int, ...]]:
+    """Each entry's per-sample shape (what one sample's noise draw fills)."""
+    return {k: tuple(v.shape[1:]) for k, v in latents.items()}
 
 
 def weighted_mean(per_sample: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:

@@ -8,8 +8,9 @@ denoising error e = mean_d (v − (ε − x0))² is weighted by its advantage an
 σ(Σ_group A·β·(e − e_ref)/G), a DPO-style preference of the whole group over the reference; a PPO-style mask
 against the old (EMA) policy stops the gradient of samples that already moved past the clip range.
 
-Differences from Flow-Factory: the shared σ and group noise are drawn per micro-batch (Flow-Factory: per step,
-seeded per group); every micro-batch holds whole groups (`whole_groups`), and one data-parallel rank (Flow-Factory
+The shared σ is drawn per update and term, the group noise per prompt group (keyed by the update and the group's
+id, §7), as Flow-Factory draws them per step and seeds them per group. Differences from Flow-Factory: every
+micro-batch holds whole groups (`whole_groups`), and one data-parallel rank (Flow-Factory
 all-reduces partial group sums); the rollout always samples from the current policy (Flow-Factory switches to the
 EMA after `switch_ema_ref` = 200 optimizer steps); `kl_cfg` (a guided reference) is not offered.
 """
@@ -19,8 +20,9 @@ from __future__ import annotations
 import torch
 
 from ..batch import Rollout
+from ..draws import UpdateDraws
 from ..latents import Latents, sample_mean
-from .base import AlgorithmBase, PolicyEvaluator, register_algorithm, weighted_mean
+from .base import AlgorithmBase, PolicyEvaluator, latent_shapes, register_algorithm, weighted_mean
 from .forward_process import check_clip_range, check_time_range, fresh_noise, noise_to, term_time
 
 
@@ -61,17 +63,12 @@ def ema_ref_decay(step: int, ramp_rate: float, max_decay: float) -> float:
     return min(max_decay, ramp_rate * step)
 
 
-def group_noise(x0: Latents, group_ids: torch.Tensor, generator: torch.Generator) -> Latents:
-    """One ε per prompt group and entry (drawn on the CPU in order of the groups' first sample), every sample of the
-    group gets it."""
-    ids = group_ids.cpu()
-    out = {}
-    for k, v in x0.items():
-        eps = torch.empty(v.shape, dtype=torch.float32)
-        for g in dict.fromkeys(ids.tolist()):
-            eps[ids == g] = torch.randn(v.shape[1:], generator=generator)
-        out[k] = eps
-    return out
+def group_noise(x0: Latents, group_ids: torch.Tensor, draws: UpdateDraws) -> Latents:
+    """One ε per prompt group and entry, keyed by the update and the group's id (the same for every loss term);
+    every sample of the group gets it."""
+    groups, inverse = torch.unique(group_ids.cpu(), return_inverse=True)
+    eps = draws.normal("dgpo/group_eps", groups, latent_shapes(x0))
+    return {k: v[inverse] for k, v in eps.items()}
 
 
 @register_algorithm("dgpo")
@@ -117,12 +114,10 @@ class DGPO(AlgorithmBase):
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
         x0 = batch.final
         t = term_time(self.time_sampling, self.lo, self.hi, k, self.num_timesteps, policy, batch)
-        if self.shared_noise:  # one ε per group for every term of this micro-batch (Flow-Factory: timestep-invariant)
-            if k == 0 or "dgpo_noise" not in batch.extras:
-                batch.extras["dgpo_noise"] = group_noise(x0, batch.group_ids, policy.generator)
-            eps = batch.extras["dgpo_noise"]
+        if self.shared_noise:  # one ε per group for every term (Flow-Factory: timestep-invariant)
+            eps = group_noise(x0, batch.group_ids, policy.draws)
         else:
-            eps = fresh_noise(x0, policy.generator)
+            eps = fresh_noise(x0, policy.draws, batch, k)
         x_t, target = noise_to(x0, eps, policy.stream_sigmas(t))
         v = policy.velocity(batch, x_t, t, guidance=1.0)
         err = dsm_error(v, target)

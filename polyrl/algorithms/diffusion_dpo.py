@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..batch import Rollout
 from ..latents import for_entry, per_sample, sample_mean
-from .base import AlgorithmBase, PolicyEvaluator, register_algorithm, weighted_mean
+from .base import AlgorithmBase, PolicyEvaluator, latent_shapes, register_algorithm, sample_index, weighted_mean
 
 
 def dpo_loss(err_w, err_l, ref_err_w, ref_err_l, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,16 +56,19 @@ class DiffusionDPO(AlgorithmBase):
         pairs.extras["pair_final"] = {k: v[lose] for k, v in batch.final.items()}
         return pairs
 
-    def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
+    def step_loss(self, policy: PolicyEvaluator, batch: Rollout, term: int) -> tuple[torch.Tensor, dict]:
         x0_w, x0_l = batch.final, batch.extras["pair_final"]
         b = len(batch)
         device = next(iter(x0_w.values())).device
-        # drawn on the CPU from the update's generator (reproducible on any device), then moved to the batch's
-        t = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(b, generator=policy.generator)).to(device)
+        # t and ε keyed by (update, pair, term) (§7), drawn on the CPU (the same on any device), then moved
+        index = sample_index(batch)
+        z = policy.draws.normal("dpo/logit_t", index, {"z": ()}, term)["z"]
+        t = torch.sigmoid(self.logit_mean + self.logit_std * z).to(device)
         t_entry = policy.stream_sigmas(t)  # each latent entry's own σ where the model's streams differ
+        noise = policy.draws.normal("dpo/eps", index, latent_shapes(x0_w), term)
         x_t, target = {}, {}
         for k in x0_w:  # winner and loser share the noise and the timestep
-            eps = torch.randn(x0_w[k].shape, generator=policy.generator).to(device)
+            eps = noise[k].to(device)
             t_ = per_sample(for_entry(t_entry, k), eps)
             x_t[k] = torch.cat([(1 - t_) * x0_w[k] + t_ * eps, (1 - t_) * x0_l[k] + t_ * eps])
             target[k] = torch.cat([eps - x0_w[k], eps - x0_l[k]])

@@ -10,7 +10,7 @@ import torch
 
 from ..batch import Rollout
 from ..latents import entries, for_entry, per_sample, sample_mean
-from .base import AlgorithmBase, PolicyEvaluator, register_algorithm, weighted_mean
+from .base import AlgorithmBase, PolicyEvaluator, latent_shapes, register_algorithm, sample_index, weighted_mean
 
 
 def nft_loss(v_theta, v_old, x_t, x0, t, advantages, adv_clip: float, mix_beta: float) -> tuple[torch.Tensor, dict]:
@@ -66,18 +66,19 @@ class DiffusionNFT(AlgorithmBase):
     def old_decay(self, update: int) -> float:
         return old_decay(update, self.decay, self.decay_slope, self.decay_start, self.decay_max)
 
-    def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
+    def step_loss(self, policy: PolicyEvaluator, batch: Rollout, term: int) -> tuple[torch.Tensor, dict]:
         x0 = batch.final
         device = next(iter(x0.values())).device
         lo, hi = self.timestep_range
-        # drawn on the CPU from the update's generator (reproducible on any device), then moved to the batch's
-        t = (lo + (hi - lo) * torch.rand(len(batch), generator=policy.generator)).to(device)
+        # t and ε keyed by (update, sample, term) (§7), drawn on the CPU (the same on any device), then moved
+        index = sample_index(batch)
+        t = (lo + (hi - lo) * policy.draws.uniform("nft/t", index, term)).to(device)
         t_entry = policy.stream_sigmas(t)
+        noise = policy.draws.normal("nft/eps", index, latent_shapes(x0), term)
         x_t = {}
         for k, v in x0.items():
-            eps = torch.randn(v.shape, generator=policy.generator).to(device)
             t_ = per_sample(for_entry(t_entry, k), v)
-            x_t[k] = (1 - t_) * v + t_ * eps
+            x_t[k] = (1 - t_) * v + t_ * noise[k].to(device)
         with torch.no_grad():
             v_old = policy.velocity(batch, x_t, t, policy="old", guidance=1.0)
         v = policy.velocity(batch, x_t, t, guidance=1.0)

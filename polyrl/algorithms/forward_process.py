@@ -3,14 +3,17 @@ and noised latents `x_σ = (1−σ)·x0 + σ·ε` with the flow-matching target 
 
 Time sampling follows Flow-Factory's `TimeSampler` (src/flow_factory/utils/noise_schedule.py, commit
 3fe9f760edc4f246723914ab6b8eaaa3d2f7bd43): `timestep_range = [lo, hi]` is a fraction of the way from noise
-(σ = 1) to data, and loss term k of T draws from the k-th of T strata, one σ for the whole batch.
+(σ = 1) to data, and loss term k of T draws from the k-th of T strata, one σ for the whole update (as Flow-Factory
+draws one per step). Every draw is keyed (draws.py, §7): the σ by (update, term), ε by (update, sample, term).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..draws import UpdateDraws
 from ..latents import Latents, for_entry, per_sample
+from .base import latent_shapes, sample_index
 
 TIME_SAMPLINGS = ("discrete", "uniform")
 
@@ -34,10 +37,8 @@ def uniform_sigma(lo: float, hi: float, k: int, terms: int, u: float) -> float:
     return 1.0 - (lo + (k + u) / terms * (hi - lo))
 
 
-def train_sigma(strategy: str, grid: torch.Tensor, lo: float, hi: float, k: int, terms: int,
-                generator: torch.Generator) -> float:
-    """σ of loss term k: one uniform draw u from the update's generator, then the strategy's stratum."""
-    u = float(torch.rand((), generator=generator))
+def train_sigma(strategy: str, grid: torch.Tensor, lo: float, hi: float, k: int, terms: int, u: float) -> float:
+    """σ of loss term k from a uniform draw u ∈ [0, 1): the strategy's stratum."""
     if strategy == "discrete":
         return discrete_sigma(grid, lo, hi, k, terms, u)
     if strategy == "uniform":
@@ -46,15 +47,16 @@ def train_sigma(strategy: str, grid: torch.Tensor, lo: float, hi: float, k: int,
 
 
 def term_time(strategy: str, lo: float, hi: float, k: int, terms: int, policy, batch) -> torch.Tensor:
-    """t (B,) of loss term k: `train_sigma` on the policy's sampling grid with the update's generator, one σ for
-    every sample of `batch`, on the device of its clean latents."""
-    sigma = train_sigma(strategy, policy.sigma_grid(), lo, hi, k, terms, policy.generator)
+    """t (B,) of loss term k: `train_sigma` on the policy's sampling grid, one σ for every sample of the update
+    (its u keyed by the update and the term), on the device of `batch`'s clean latents."""
+    u = policy.draws.shared_uniform("forward_process/sigma", k)
+    sigma = train_sigma(strategy, policy.sigma_grid(), lo, hi, k, terms, u)
     return torch.full((len(batch),), sigma, device=next(iter(batch.final.values())).device)
 
 
-def fresh_noise(x0: Latents, generator: torch.Generator) -> Latents:
-    """ε ~ N(0, I) per sample and entry, drawn on the CPU from the update's generator in entry order."""
-    return {n: torch.randn(v.shape, generator=generator) for n, v in x0.items()}
+def fresh_noise(x0: Latents, draws: UpdateDraws, batch, k: int) -> Latents:
+    """ε ~ N(0, I) of loss term k per sample and entry, on the CPU, keyed by (update, sample, term)."""
+    return draws.normal("forward_process/eps", sample_index(batch), latent_shapes(x0), k)
 
 
 def noise_to(x0: Latents, eps: Latents, sigma) -> tuple[Latents, Latents]:

@@ -15,7 +15,7 @@ from typing import Any, Union
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: equality tests across layouts and CPUs
 DEVICES = ("auto", "cpu", "cuda")
 
 

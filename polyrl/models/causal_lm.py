@@ -33,7 +33,7 @@ from .options import read_options
 GRAPH_CACHE_BUCKET, CACHE_BUCKET = 256, 16
 KEPT_DECODINGS = 2  # static caches (and their graphs) kept at once, the most recently used ones
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # the projections of every Qwen / Llama-style decoder layer
 CAUSAL_LM_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -136,7 +136,7 @@ class CausalLMPolicy:
                                                 t, kept, attention_mask.shape[1]) * (3 if torch.is_grad_enabled() else 1)
         # bf16/fp16 weights: autocast runs the float32 LoRA weights in the same low precision
         net = self.networks["model"]  # the live entry: the actor may swap in another policy (reference, teacher)
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype.itemsize < 4):
             out = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=use_cache, logits_to_keep=keep, **{self._cache_arg: cache})
         new_cache = getattr(out, "cache", None) if self._cache_arg == "cache" else getattr(out, "past_key_values", None)
@@ -208,7 +208,7 @@ class StaticCacheDecoding:
 
     def _forward_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         p = self.policy
-        with torch.autocast(p.device.type, dtype=p.dtype, enabled=p.dtype != torch.float32):
+        with torch.autocast(p.device.type, dtype=p.dtype, enabled=p.dtype.itemsize < 4):
             out = p.network(input_ids=token, attention_mask=self.mask, position_ids=position, use_cache=True,
                             logits_to_keep=1, **{p._cache_arg: self.cache})
         return out.logits[:, -1].float()

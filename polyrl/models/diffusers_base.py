@@ -17,7 +17,7 @@ import torch
 from ..latents import Latents
 from .base import Cond, Guidance, Media, Prompt
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def load_model_index(path: str | Path) -> dict:
@@ -134,7 +134,7 @@ class DiffusersPolicy:
         batch = next(iter(latents.values())).shape[0]
         self.flops += self.forward_flops(latents, cond) * batch * (3 if torch.is_grad_enabled() else 1)
         # bf16/fp16 weights: autocast runs float32 LoRA weights and inputs in the same low precision
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype.itemsize < 4):
             out = self._network_forward(self.network_for(sigma), latents, sigma, cond)
         return {k: v.float() for k, v in out.items()}
 

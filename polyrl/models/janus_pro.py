@@ -159,7 +159,7 @@ class JanusProPolicy:
                             f"{self.image_tokens} image tokens per image (this checkpoint's (image_size / "
                             f"patch_size)²): set rollout.max_new_tokens={self.image_tokens}")
         codes = tokens.response_ids.to(self.device)
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype.itemsize < 4):
             pixels = self.vq.decode(codes)
         return {"images": ((pixels.float() + 1) / 2).clamp(0, 1).cpu()}
 
@@ -195,7 +195,7 @@ class JanusProPolicy:
                                                    self._attn_width, t, kept, attention_mask.shape[1]) * (
             3 if torch.is_grad_enabled() else 1)
         net = self.networks["model"]
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype.itemsize < 4):
             out = net.model.language_model(inputs_embeds=self.embed(input_ids), attention_mask=attention_mask,
                                            position_ids=position_ids, use_cache=use_cache, **{self._cache_arg: cache})
             logits = net.model.generation_head(out.last_hidden_state[:, -kept:]).float()

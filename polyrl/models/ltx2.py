@@ -394,7 +394,7 @@ class LTX2Policy(DiffusersPolicy):
                  perturbed: bool = False) -> Latents:
         batch = latents["video"].shape[0]
         self.flops += self.forward_flops(latents, cond, isolate, perturbed) * batch * (3 if torch.is_grad_enabled() else 1)
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype.itemsize < 4):
             out = self._network_forward(self.transformer, latents, sigma, cond, isolate, perturbed)
         return {k: v.float() for k, v in out.items()}
 

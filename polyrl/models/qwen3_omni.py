@@ -311,7 +311,7 @@ class Qwen3OmniPolicy:
         if "input_features" in media:
             media["input_features"] = media["input_features"].to(self.dtype)
         net = self.networks["model"]  # the live entry: the actor may swap in another policy (reference, teacher)
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype.itemsize < 4):
             out = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                       cache=kv, use_cache=use_cache, **media)
         new_cache = (out.cache, delta) if use_cache else None

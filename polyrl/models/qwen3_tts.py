@@ -356,7 +356,7 @@ class Qwen3TTSPolicy:
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
         self.flops += embeds.shape[0] * decoder_forward_flops(self._talker_params, self._head_params, *self._talker_shape,
                                                               t, t, mask.shape[1]) * (3 if torch.is_grad_enabled() else 1)
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype.itemsize < 4):
             out = net.talker.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
                                    past_key_values=cache, use_cache=use_cache)
         return out.last_hidden_state, out.past_key_values
@@ -369,7 +369,7 @@ class Qwen3TTSPolicy:
         past = cache.get_seq_length() if cache is not None else 0
         self.flops += n * decoder_forward_flops(self._predictor_params, 0, *self._predictor_shape, t, 0, past + t) * (
             3 if torch.is_grad_enabled() else 1)
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype.itemsize < 4):
             out = cp.model(inputs_embeds=cp.small_to_mtp_projection(embeds), past_key_values=cache, use_cache=use_cache)
         return out.last_hidden_state, out.past_key_values
 

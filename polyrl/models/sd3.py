@@ -210,7 +210,7 @@ class SD3Policy(DiffusersPolicy):
         cfg = self.vae.config
         z = latents["x"].float() / cfg.scaling_factor + (cfg.shift_factor or 0.0)
         # decoding only feeds the reward: with a low-precision network it runs in that precision too (≈3× faster)
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype.itemsize < 4):
             images = self.vae.decode(z.contiguous(memory_format=self.vae_memory_format), return_dict=False)[0]
         return {"images": (images.float() / 2 + 0.5).clamp(0, 1)}
 

@@ -275,7 +275,7 @@ class WanPolicy(DiffusersPolicy):
         self.vae.use_slicing = x.shape[0] * self.decoded_pixels(x) > SLICE_ABOVE_PIXELS
         # decoding feeds the reward and the sample videos: with a low-precision network its convolutions run in that
         # precision too (float32 weights, autocast), as SD3's decode does (docs/performance.md: Wan2.2-TI2V-5B)
-        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype.itemsize < 4):
             video = self.vae.decode(z, return_dict=False)[0]  # (B, 3, T, H, W) in [-1, 1]
         return {"video": (video.permute(0, 2, 1, 3, 4).float() / 2 + 0.5).clamp(0, 1)}
 
