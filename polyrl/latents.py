@@ -35,6 +35,12 @@ class MediaShape:
         return self.frames > 0
 
 
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """A network output for the step math: bf16 / fp16 up to float32, float32 and float64 as they are (a float64 run
+    stays float64 end to end: the equality tests' precision)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def map_latents(fn: Callable[..., torch.Tensor], *entries: Latents) -> Latents:
     """{k: fn(a[k], b[k], ...)} over the keys of the first argument (all arguments share the keys)."""
     return {k: fn(*(e[k] for e in entries)) for k in entries[0]}

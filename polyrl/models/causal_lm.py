@@ -25,6 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import UserError
+from ..latents import at_least_float32
 from .base import Cond, Prompt, register_model, text_only
 from .options import read_options
 
@@ -140,7 +141,7 @@ class CausalLMPolicy:
             out = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=use_cache, logits_to_keep=keep, **{self._cache_arg: cache})
         new_cache = getattr(out, "cache", None) if self._cache_arg == "cache" else getattr(out, "past_key_values", None)
-        return out.logits.float(), new_cache
+        return at_least_float32(out.logits), new_cache
 
     def decoding(self, batch: int, prompt_width: int, max_new_tokens: int) -> StaticCacheDecoding | None:
         """The rollout's decoder for a chunk of `batch` prompts left-padded to `prompt_width` tokens (reused across
@@ -211,4 +212,4 @@ class StaticCacheDecoding:
         with torch.autocast(p.device.type, dtype=p.dtype, enabled=p.dtype.itemsize < 4):
             out = p.network(input_ids=token, attention_mask=self.mask, position_ids=position, use_cache=True,
                             logits_to_keep=1, **{p._cache_arg: self.cache})
-        return out.logits[:, -1].float()
+        return at_least_float32(out.logits[:, -1])

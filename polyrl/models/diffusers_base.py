@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..latents import Latents
+from ..latents import Latents, at_least_float32
 from .base import Cond, Guidance, Media, Prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -136,7 +136,7 @@ class DiffusersPolicy:
         # bf16/fp16 weights: autocast runs float32 LoRA weights and inputs in the same low precision
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype.itemsize < 4):
             out = self._network_forward(self.network_for(sigma), latents, sigma, cond)
-        return {k: v.float() for k, v in out.items()}
+        return {k: at_least_float32(v) for k, v in out.items()}
 
     def _guide(self, uncond: Latents, cond: Latents, scale: float) -> Latents:
         """Classifier-free guidance v_u + s·(v_c − v_u) (§1 CFG); true-CFG models override."""

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from ..latents import Latents, MediaShape
+from ..latents import Latents, MediaShape, at_least_float32
 from ..media import Audio
 from .base import Cond, Guidance, Media, Prompt, register_model, text_only, video_latent_grid
 from .diffusers_base import DiffusersPolicy, frozen, load_component
@@ -396,7 +396,7 @@ class LTX2Policy(DiffusersPolicy):
         self.flops += self.forward_flops(latents, cond, isolate, perturbed) * batch * (3 if torch.is_grad_enabled() else 1)
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype.itemsize < 4):
             out = self._network_forward(self.transformer, latents, sigma, cond, isolate, perturbed)
-        return {k: v.float() for k, v in out.items()}
+        return {k: at_least_float32(v) for k, v in out.items()}
 
     def _network_forward(self, network, latents: Latents, sigma: torch.Tensor, cond: Cond, isolate: bool = False,
                          perturbed: bool = False) -> Latents:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..batch import Rollout, TokenBatch
+from ..latents import at_least_float32
 from ..media import Audio
 from ..models.base import Prompt, TokenPolicy, token_media
 from .base import SAMPLERS, step_generator
@@ -52,7 +53,7 @@ def draw_uniforms(num_samples: int, plan: TokenPlan, generator: torch.Generator)
 
 def token_log_probs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log π(ids) with π = softmax(logits / T) (§5), in float32: `logits` (..., V), `ids` (...) -> (...)."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = torch.log_softmax(at_least_float32(logits) / temperature, dim=-1)
     return logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
@@ -79,7 +80,7 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def sample_next(logits: torch.Tensor, u: torch.Tensor, plan: TokenPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """(next token (B,), its log π (B,)) from the last position's logits (B, V) and uniforms (B,)."""
-    logp = torch.log_softmax(logits.float() / plan.log_prob_temperature, dim=-1)
+    logp = torch.log_softmax(at_least_float32(logits) / plan.log_prob_temperature, dim=-1)
     if plan.temperature <= 0:
         token = logits.argmax(-1)
     else:
