@@ -3,6 +3,7 @@ equals an uninterrupted one; data-parallel ranks stop together after the same st
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -45,6 +46,8 @@ def _args(model_dir, prompts, out, steps, *extra):
 def reference(tiny_sd3_dir, shape_prompts_file, tmp_path_factory):
     run = tmp_path_factory.mktemp("ref") / "run"
     assert main(_args(tiny_sd3_dir, shape_prompts_file, run, 4)) == 0
+    status = json.loads((run / "status.json").read_text())  # what `polyrl view` shows as the run's state
+    assert (status["state"], status["step"], status["max_steps"], status["error"]) == ("finished", 4, 4, None)
     return run
 
 
@@ -129,6 +132,9 @@ def test_a_signal_during_an_evaluation_abandons_it(tiny_sd3_dir, shape_prompts_f
     rows = metrics(run)
     assert [m["step"] for m in rows] == [0, 1, 2] and "eval/reward_mean" not in rows[2]
     assert (run / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
+    status = json.loads((run / "status.json").read_text())
+    assert (status["state"], status["step"], status["pid"]) == ("stopped", 2, os.getpid())
+    assert status["error"].startswith("RunStopped: stopped by SIGTERM at step 2 of 4")
 
 
 def test_a_signal_before_any_step_saves_nothing(tiny_sd3_dir, shape_prompts_file, tmp_path, capsys):
@@ -156,6 +162,8 @@ def test_a_failing_step_saves_the_last_completed_one_and_a_plot_error_does_not_h
     ckpt = run / "checkpoints" / "step_000002"
     assert f"polyrl: the run failed in step 3 (RuntimeError); saved checkpoint {ckpt} (step 2)" in err
     assert "could not write" in err and "the plot broke" in err
+    status = json.loads((run / "status.json").read_text())
+    assert (status["state"], status["step"]) == ("failed", 2) and status["error"].startswith("RuntimeError: ")
     assert same_weights(weights(ckpt), step_weights(reference, 2))
 
 

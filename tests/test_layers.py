@@ -10,8 +10,9 @@ import polyrl
 
 ROOT = Path(polyrl.__file__).parent
 # lowest first; a unit may import only units listed before it
-LAYERS = ["errors", "registry", "draws", "latents", "media", "batch", "perf", "models", "sampling", "algorithms", "toy", "rewards", "data",
-          "evaluation", "distributed", "actor", "config", "serving", "trainer", "cli", "__init__", "__main__"]
+LAYERS = ["errors", "run_files", "registry", "draws", "latents", "media", "batch", "perf", "models", "sampling", "algorithms", "toy",
+          "rewards", "data", "evaluation", "distributed", "actor", "config", "serving", "trainer", "view", "cli", "__init__",
+          "__main__"]
 TRAINER_MAX_LINES = 400
 
 
@@ -116,3 +117,10 @@ def test_a_planted_circle_is_found(tmp_path):
 def test_trainer_files_stay_readable():
     long = {p.name: n for p in (ROOT / "trainer").glob("*.py") if (n := len(p.read_text().splitlines())) > TRAINER_MAX_LINES}
     assert not long, f"trainer files over {TRAINER_MAX_LINES} lines: {long}"
+
+
+def test_the_view_reads_files_only():
+    """`polyrl view` imports no trainer or model code: only the run-file readers and the error type."""
+    edges = module_imports(ROOT)
+    reached = {_unit(b) for a, targets in edges.items() if _unit(a) == "view" for b in targets} - {"view"}
+    assert reached <= {"errors", "run_files"}, reached

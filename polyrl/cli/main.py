@@ -1,4 +1,4 @@
-"""`polyrl` command line: train | config | sample | eval | export | pretrain-toy | bench | serve-reward.
+"""`polyrl` command line: train | config | sample | eval | export | pretrain-toy | bench | serve-reward | view.
 
     polyrl train [overrides...]            run the config (default: the embedded toy_shapes recipe); --help lists them
     polyrl config [overrides...]           print the resolved config
@@ -10,6 +10,7 @@
     polyrl bench [--tiny] [--workload sd35m|qwen_image|wan22_5b|wan22_a14b|grpo_lm] [--epochs 2] [overrides...]
                                            a published-size workload (docs/performance.md), timed per stage
     polyrl serve-reward reward=NAME [reward.k=v ...] [--host H] [--port N] [--token T]   a reward over HTTP
+    polyrl view [DIR ...] [--port N] [--host H]   a local web page over run directories (read-only)
 
 `--import FILE.py|MODULE` (any command, repeatable) first imports a file or module of your own, e.g. one that
 registers a reward with `@register_reward`.
@@ -216,8 +217,14 @@ def cmd_serve_reward(args: list[str]) -> int:
     return serve_main(args)
 
 
+def cmd_view(args: list[str]) -> int:
+    from .view import main as view_main
+
+    return view_main(args)
+
+
 COMMANDS = {"train": cmd_train, "config": cmd_config, "sample": cmd_sample, "eval": cmd_eval, "export": cmd_export,
-            "pretrain-toy": cmd_pretrain_toy, "bench": cmd_bench, "serve-reward": cmd_serve_reward}
+            "pretrain-toy": cmd_pretrain_toy, "bench": cmd_bench, "serve-reward": cmd_serve_reward, "view": cmd_view}
 
 
 def quiet_libraries() -> None:
@@ -243,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     # download that fails offline (seen on an H100: a toy pretrain died at its final .eval()); polyrl loads nothing
     # from the Hub
     os.environ.setdefault("USE_HUB_KERNELS", "NO")
+    if argv and argv[0] == "view":  # reads files only: no model library is imported
+        try:
+            return cmd_view(argv[1:])
+        except UserError as e:
+            print(f"polyrl: error: {e}", file=sys.stderr)
+            return 2
     quiet_libraries()
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)

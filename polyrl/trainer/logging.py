@@ -15,32 +15,10 @@ import torch
 from PIL import Image, ImageDraw
 
 from ..errors import UserError
+from ..run_files import read_metrics
 from .disk import DiskFull, is_disk_full
 
 LOGGERS = ("tensorboard", "wandb", "mlflow")
-
-
-def read_metrics(path: Path) -> tuple[list[dict], str | None]:
-    """The rows of a metrics.jsonl and a note when its last line was torn (a kill in the middle of a write: that
-    line is dropped). A malformed line before the last is a UserError naming the file and line."""
-    if not path.is_file():
-        return [], None
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    rows, note = [], None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                raise ValueError("not an object with an integer step")
-        except ValueError as e:
-            if n == len(lines):
-                note = f"{path}:{n}: dropped a torn last line ({len(line)} characters)"
-                break
-            raise UserError(f"{path}:{n}: malformed metrics line ({e})") from None
-        rows.append(row)
-    return rows, note
 
 
 class MetricsLogger:

@@ -40,7 +40,7 @@ from .disk import DiskFull, OptionalWrites, as_disk_full, free_space_warning, is
 from .evaluation import HackingWatch, SampleFiles, evaluate
 from .logging import MetricsLogger, plot_reward_curve
 from .recovery import SNAPSHOT_MAX_PARAMS, RunStopped, StopRequested, WeightSnapshot
-from .run_dir import resolve_on_main, resume_command
+from .run_dir import RunStatus, resolve_on_main, resume_command, write_outcome
 from .step import Stages, pair_step, train_step
 
 
@@ -93,9 +93,10 @@ class Trainer:
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-                self.logger = MetricsLogger(self.run_dir, self._loggers(), cfg.name,
-                                            OmegaConf.to_container(cfg, resolve=True), warn=self.say,
-                                            resumed_at=self.step if t.resume is not None else None)
+                loggers = [name for name in t.loggers if t.tensorboard or name != "tensorboard"]
+                self.logger = MetricsLogger(self.run_dir, loggers, cfg.name, OmegaConf.to_container(cfg, resolve=True),
+                                            warn=self.say, resumed_at=self.step if t.resume is not None else None)
+                self.status = RunStatus(self.run_dir, t.max_steps)  # status.json: running, finished, stopped, failed
             except Exception as e:
                 if is_disk_full(e):
                     raise self._as_disk_full(e) from e
@@ -140,10 +141,6 @@ class Trainer:
             self.reward_stage = self.remote.reward_stage
         if self.remote.rollout is not None:  # the replicas hold the sampling policy's weights (remote.py)
             self.sampler.use_remote(self.remote.rollout, self.cfg.rollout.max_staleness)
-
-    def _loggers(self) -> list[str]:
-        t = self.cfg.trainer
-        return [name for name in t.loggers if t.tensorboard or name != "tensorboard"]
 
     # ------------------------------------------------------------------------------------------- stages
     def train_step(self) -> dict:
@@ -217,9 +214,11 @@ class Trainer:
         t, main = self.cfg.trainer, self.engine.is_main
         self.bar = tqdm(total=t.max_steps, initial=self.step, desc=self.cfg.name, disable=not (t.progress and main),
                         dynamic_ncols=True)
-        warning = free_space_warning(self.run_dir, self.actor, self.step, t) if main else None
-        if warning:
-            self.say(warning)
+        if main:
+            self.status.write("running", self.step)
+            warning = free_space_warning(self.run_dir, self.actor, self.step, t)
+            if warning:
+                self.say(warning)
         try:
             with self._signal_handlers():
                 try:
@@ -380,6 +379,8 @@ class Trainer:
         outcome."""
         if self.logger is None:
             return []
+        if not self._disk_full:  # this runs in fit's `finally`: the exception in flight, if any, is its outcome
+            write_outcome(self.status, self.step, sys.exc_info()[1])
         history = []
         try:
             history = self.logger.history()

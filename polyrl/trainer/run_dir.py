@@ -1,5 +1,5 @@
-"""Where a run lives: a new run directory, or the run and checkpoints that `trainer.resume` continues, and the
-command that continues a stopped run."""
+"""Where a run lives: a new run directory, or the run and checkpoints that `trainer.resume` continues, the command
+that continues a stopped run, and the state its status.json records (run_files.RunStatus)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ..errors import UserError
+from ..run_files import RunStatus
 from .checkpoint import STATE_FILE, CheckpointError, checkpoint_step, clean_stale, list_checkpoints
+from .recovery import RunStopped
 
 
 def resolve_run_dir(cfg: DictConfig) -> tuple[Path, list[Path], list[str]]:
@@ -82,3 +84,13 @@ def resume_command(overrides: list[str], run_dir: Path) -> str:
     keep = [o for o in overrides if not o.lstrip("+~").startswith(("trainer.resume=", "trainer.output_dir="))]
     args = keep + [f"trainer.output_dir={run_dir}", "trainer.resume=auto"]
     return "polyrl train " + " ".join(shlex.quote(a) for a in args)
+
+
+def write_outcome(status: RunStatus, step: int, error: BaseException | None) -> None:
+    """status.json when a run's fit ends: finished (no error), stopped (a signal: RunStopped) or failed (any other
+    error, its type and first line kept)."""
+    if error is None:
+        status.write("finished", step)
+    else:
+        first = (str(error).splitlines() or [""])[0]
+        status.write("stopped" if isinstance(error, RunStopped) else "failed", step, f"{type(error).__name__}: {first}")
