@@ -1,7 +1,9 @@
 """The tree's layering: every import inside polyrl runs from a higher layer to a lower one (no import upwards), no
 two modules import each other through any chain (no circle, also through imports inside functions), and no file
 of the trainer grows past what one reads in a sitting. A new module must be placed in LAYERS; an import against the
-order fails here with both names."""
+order fails here with both names. A unit is a top-level module or package, or a sub-package named in LAYERS with its
+dots (`toy.pretrain`: the toy tasks sit low, for the rewards to read, while their pretraining sits above the trainer,
+whose grids it writes)."""
 
 import ast
 from pathlib import Path
@@ -11,7 +13,7 @@ import polyrl
 ROOT = Path(polyrl.__file__).parent
 # lowest first; a unit may import only units listed before it
 LAYERS = ["errors", "run_files", "registry", "draws", "latents", "media", "batch", "perf", "models", "sampling", "algorithms", "toy",
-          "rewards", "data", "evaluation", "distributed", "actor", "config", "serving", "trainer", "view", "cli", "__init__",
+          "rewards", "data", "evaluation", "distributed", "actor", "config", "serving", "trainer", "toy.pretrain", "view", "cli", "__init__",
           "__main__"]
 TRAINER_MAX_LINES = 400
 
@@ -83,6 +85,10 @@ def circles(edges: dict) -> list[list]:
 
 
 def _unit(module: tuple[str, ...]) -> str:
+    """The longest leading part of the module's dotted name that LAYERS names, else its top-level name."""
+    for n in range(len(module), 1, -1):
+        if ".".join(module[:n]) in LAYERS:
+            return ".".join(module[:n])
     return module[0] if module else "__init__"
 
 

@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from polyrl.cli.main import main
-from polyrl.cli.pretrain_toy import (
+from polyrl.config import ASSETS, load_config
+from polyrl.latents import MediaShape
+from polyrl.toy import motion_task
+from polyrl.toy.pretrain.motion import (
     MOTION_FRAMES,
     MOTION_SIZE,
     _sample_motion_specs,
@@ -20,9 +23,6 @@ from polyrl.cli.pretrain_toy import (
     render_clips,
     write_prompt_files,
 )
-from polyrl.config import ASSETS, load_config
-from polyrl.latents import MediaShape
-from polyrl.toy import motion_task
 
 NUM_CLIPS, SEED = 8, 3
 
@@ -123,7 +123,7 @@ def test_toy_motion_recipe_trains_one_step(pretrained, tmp_path, recipe, window)
 def test_shipped_motion_model_is_small_and_above_chance():
     """The shipped toy video model: a diffusers directory of at most 25 MB whose ODE samples on held-out prompts
     score well above a blank or random clip (0) and far from the maximum (1), so RL has room."""
-    from polyrl.cli.pretrain_toy import evaluate_motion
+    from polyrl.toy.pretrain.motion import evaluate_motion
 
     root = ASSETS / "toy_motion"
     assert sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) <= 25 * 2**20

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from polyrl.cli.pretrain_text import write_text_prompt_files
 from polyrl.models.tiny import word_tokenizer
 from polyrl.rewards import build_reward
 from polyrl.toy import text_task
+from polyrl.toy.pretrain.text import write_text_prompt_files
 
 
 def test_word_split_is_disjoint_fixed_and_large_enough():

@@ -1,7 +1,7 @@
 """The shipped toy model loads through the normal adapter path and draws the task's shapes."""
 
-from polyrl.cli.pretrain_toy import evaluate_toy, toy_spec, write_prompt_files
 from polyrl.config import ASSETS
+from polyrl.toy.pretrain.shapes import evaluate_toy, toy_spec, write_prompt_files
 from polyrl.toy.shapes_task import parse_prompt
 
 

@@ -86,7 +86,7 @@ def test_shipped_text_model_is_small_and_its_record_honest():
     """The shipped toy OCR model: a diffusers directory of at most 15 MB, trained by the recorded commands (on the
     CPU, then continued on a GPU), whose ODE samples on held-out words score here, on the CPU, what its pretrain.json
     says (16 of the 160 words here; all 160 gave 0.539 on the CPU against the recorded 0.536)."""
-    from polyrl.cli.pretrain_text import evaluate_text
+    from polyrl.toy.pretrain.text import evaluate_text
 
     root = ASSETS / "toy_text"
     assert sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) <= 15 * 2**20

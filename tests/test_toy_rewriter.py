@@ -70,7 +70,7 @@ def test_shipped_rewriter_loads_and_has_room_to_learn():
 
 
 def test_pretrain_toy_rewrite_command_and_its_evaluation(tmp_path):
-    from polyrl.cli.pretrain_rewrite import rewrite_rewards
+    from polyrl.toy.pretrain.rewrite import rewrite_rewards
 
     out = tmp_path / "model"
     assert main(["pretrain-toy", "--task", "rewrite", "--steps", "2", "--out", str(out), "--eval-samples", "0"]) == 0

@@ -1,6 +1,6 @@
 """The training loops of the toy models (`polyrl pretrain-toy`): the two phases of every toy diffusion model
-(shapes and motion in pretrain_toy.py, text in pretrain_text.py; only the data and the model call differ between
-them) and the supervised step of the toy LMs (pretrain_count.py, pretrain_rewrite.py)."""
+(shapes.py, motion.py, text.py; only the data and the model call differ between them) and the supervised step of
+the toy LMs (count.py, rewrite.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..models.sd3 import encode_sd3_prompts
+from ...models.sd3 import encode_sd3_prompts
 
 
 def train_vae(vae, next_batch, steps: int, lr: float = 2e-3, recon_loss=F.mse_loss,

@@ -22,9 +22,9 @@ from types import SimpleNamespace
 import torch
 from tqdm import tqdm
 
-from ..models.tiny_lm import TinyLMSpec, build_tiny_causal_lm, word_tokenizer
-from ..toy import count_task
-from .pretrain_loops import sft_batch, sft_step
+from ...models.tiny_lm import TinyLMSpec, build_tiny_causal_lm, word_tokenizer
+from .. import count_task
+from .loops import sft_batch, sft_step
 
 COUNT_SPEC = TinyLMSpec(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermediate=384, max_positions=64)
 
@@ -38,10 +38,10 @@ def _examples(tokenizer, scenes: list, answers: list[int]) -> tuple[torch.Tensor
 
 def heldout_accuracy(path: str | Path, prompts_file: str | Path, n: int = 256, device: str = "cpu") -> float:
     """Greedy-decoding accuracy (`math_answer`) on the first n prompts of `prompts_file`, through `model=causal_lm`."""
-    from ..data.prompts import load_prompts, split_row
-    from ..models.causal_lm import CausalLMPolicy
-    from ..rewards.rules import MathAnswer
-    from ..sampling.tokens import TokenPlan, token_rollout
+    from ...data.prompts import load_prompts, split_row
+    from ...models.causal_lm import CausalLMPolicy
+    from ...rewards.rules import MathAnswer
+    from ...sampling.tokens import TokenPlan, token_rollout
 
     adapter = CausalLMPolicy(SimpleNamespace(path=str(path), dtype="float32", max_sequence_length=64),
                              torch.device(device))

@@ -25,10 +25,10 @@ from types import SimpleNamespace
 import torch
 from tqdm import tqdm
 
-from ..models.tiny_lm import CHATML_TEMPLATE, TinyLMSpec, build_tiny_causal_lm, word_tokenizer
-from ..toy import rewrite_task
-from ..toy.shapes_task import ShapesSpec
-from .pretrain_loops import sft_batch, sft_step
+from ...models.tiny_lm import CHATML_TEMPLATE, TinyLMSpec, build_tiny_causal_lm, word_tokenizer
+from .. import rewrite_task
+from ..shapes_task import ShapesSpec
+from .loops import sft_batch, sft_step
 
 REWRITE_SPEC = TinyLMSpec(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermediate=384, max_positions=64)
 # the generator's render of a rewrite: the recipe's reward.rollout (config/recipe/toy_rewriter.yaml)
@@ -55,11 +55,11 @@ def rewrite_rewards(path: str | Path, prompts_file: str | Path, n: int = 64, dev
     themselves (`requests`), of the rewriter's greedy rewrites (`greedy`) and of its sampled ones (temperature 1,
     uniforms from `seed`: `sampled`), plus the share of greedy rewrites that open with a filler word and 8 examples.
     `render`: the generator's `reward.rollout` keys (default `RENDER`, the recipe's)."""
-    from ..config import ASSETS
-    from ..data.prompts import load_prompts, split_row
-    from ..models.causal_lm import CausalLMPolicy
-    from ..rewards import build_reward
-    from ..sampling.tokens import TokenPlan, draw_uniforms, token_rollout
+    from ...config import ASSETS
+    from ...data.prompts import load_prompts, split_row
+    from ...models.causal_lm import CausalLMPolicy
+    from ...rewards import build_reward
+    from ...sampling.tokens import TokenPlan, draw_uniforms, token_rollout
 
     adapter = CausalLMPolicy(SimpleNamespace(path=str(path), dtype="float32", max_sequence_length=64),
                              torch.device(device))
@@ -83,7 +83,7 @@ def rewrite_rewards(path: str | Path, prompts_file: str | Path, n: int = 64, dev
 
 def pretrain_rewrite(out: str | Path, steps: int = 800, batch: int = 64, lr: float = 1e-3, seed: int = 0,
                      prompts_dir: str | Path | None = None, device: str = "cpu", eval_samples: int = 64) -> Path:
-    from ..config import ASSETS
+    from ...config import ASSETS
 
     prompts_dir = Path(prompts_dir or ASSETS / "prompts")
     train_rows = _load_rows(prompts_dir / "shapes_train.jsonl")

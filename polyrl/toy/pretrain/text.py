@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..models.tiny import TinySD3Spec, build_tiny_sd3, fill_clip_g_slot
-from ..toy import text_task
-from .pretrain_loops import sd3_flow_calls, train_flow, train_vae
+from ...models.tiny import TinySD3Spec, build_tiny_sd3, fill_clip_g_slot
+from .. import text_task
+from .loops import sd3_flow_calls, train_flow, train_vae
 
 TEXT_LENGTH = 16  # CLIP tokens: <bos>, four words, the quoted word of at most 6 letters, <eos> = 14
 OCR = {"name": "ocr", "detect": False, "threads": 1}  # recognition only: a sign is one line of text
@@ -62,7 +62,7 @@ def pretrain_text(
     `threads`: torch's CPU threads (on a shared, busy CPU one thread per process is several times faster).
     `init`: continue from a model this function wrote: its VAE (and latent normalisation) is kept, phase 1 is
     skipped, phase 2 runs `steps` more steps with a fresh warm-up and decay; pretrain.json records both runs."""
-    from ..rewards import build_reward
+    from ...rewards import build_reward
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -168,16 +168,16 @@ def evaluate_text(path: str | Path, rows: list[dict], num_steps: int = 10, devic
     rows {"prompt", "text"}: {"score": mean, "exact": share read exactly, "reads": what the OCR read}. `grid`: a
     PNG of the samples, each captioned with its target word, what the OCR read and the score. `checkpoint`: a
     run's `checkpoints/step_N` directory whose trained weights (LoRA) are loaded onto the model first."""
-    from ..latents import MediaShape
-    from ..models.base import Guidance
-    from ..models.sd3 import SD3Policy
-    from ..rewards import build_reward
-    from ..sampling.diffusion import SamplingPlan, draw_noise, rollout
+    from ...latents import MediaShape
+    from ...models.base import Guidance
+    from ...models.sd3 import SD3Policy
+    from ...rewards import build_reward
+    from ...sampling.diffusion import SamplingPlan, draw_noise, rollout
 
     adapter = SD3Policy(SimpleNamespace(path=str(path), dtype="float32", max_sequence_length=TEXT_LENGTH),
                         torch.device(device))
     if checkpoint is not None:
-        from ..actor.local import load_trained_weights
+        from ...actor.local import load_trained_weights
 
         load_trained_weights(adapter, Path(checkpoint))
     prompts, meta = [r["prompt"] for r in rows], [{"text": r["text"]} for r in rows]
@@ -192,7 +192,7 @@ def evaluate_text(path: str | Path, rows: list[dict], num_steps: int = 10, devic
     out = ocr(images, prompts, meta)
     reads = [ocr.read(a) for a in (images.clamp(0, 1).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)]
     if grid is not None:
-        from ..trainer.logging import save_grid
+        from ...trainer.logging import save_grid
 
         save_grid(images, [f"{m['text']} -> {r or '(nothing)'}" for m, r in zip(meta, reads, strict=True)],
                   out.scores.tolist(), Path(grid))
