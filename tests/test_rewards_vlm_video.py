@@ -22,18 +22,20 @@ def test_video_is_judged_once_from_sampled_frames(judge_dir, monkeypatch):
     judge = build_reward({"name": "vlm_judge", "path": str(judge_dir), "template": "rate the image {prompt} answer",
                           "score_range": [0, 10], "video_frames": 3, "device": "cpu"})
     seen = []
-    original = type(judge.vlm).inputs
+    original = type(judge.vlm).generate
 
-    def spy(self, images, questions, sources=None):
-        seen.append((images.clone(), list(questions)))
-        return original(self, images, questions, sources)
+    def spy(self, pictures, questions, max_new_tokens):
+        seen.append((pictures, list(questions)))
+        return original(self, pictures, questions, max_new_tokens)
 
-    monkeypatch.setattr(type(judge.vlm), "inputs", spy)
+    monkeypatch.setattr(type(judge.vlm), "generate", spy)
     video = _video()
     out = call_reward(judge, video, ["a red circle", "a blue square"], [{}, {}])  # no per-frame split by call_reward
     assert out.scores.tolist() == pytest.approx([0.8, 0.8]) and judge.last_answers == ["score : 8"] * 2
-    (frames, questions), = seen
-    assert torch.equal(frames, video[:, [0, 3, 6]])  # round(linspace(0, 6, 3))
+    (pictures, questions), = seen  # one call, one turn per clip of its 3 frames
+    expected = video[:, [0, 3, 6]].mul(255).round().to(torch.uint8).permute(0, 1, 3, 4, 2)  # round(linspace(0, 6, 3))
+    assert [len(p) for p in pictures] == [3, 3]
+    assert all(torch.equal(torch.from_numpy(f), expected[i, j]) for i in range(2) for j, f in enumerate(pictures[i]))
     assert questions == ["rate the image a red circle answer", "rate the image a blue square answer"]
 
 

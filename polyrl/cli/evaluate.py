@@ -445,6 +445,8 @@ def main(args: list[str]) -> int:
             scorers[name] = build_reward(conf, key=f"scorer.{name}")
         except TypeError as e:
             raise ConfigError(f"scorer {name}: {e}") from None
+        if hasattr(scorers[name], "preflight"):  # a remote scorer's server answers before anything samples
+            scorers[name].preflight()
     models = Models(cfg, ckpt, device, opts.compare_base)
     k = opts.samples_per_prompt
     per_chunk = opts.chunk_prompts or max(1, cfg.rollout.batch_size // k)

@@ -52,6 +52,7 @@ from .base import (
     reward_inputs,
     reward_media,
 )
+from .stage import RewardUnavailable
 
 log = logging.getLogger(__name__)
 RESERVED_LABELS = ("mean", "std")  # reward/mean and reward/std are the trainer's own metrics
@@ -130,6 +131,17 @@ class MixReward:
                 reward.preflight()
         self.groupwise = any(is_groupwise(r) for r in self.rewards.values())
 
+    def begin_step(self) -> None:
+        """A new step, told to each component that wants to know (a remote judge's retry budget)."""
+        for reward in self.rewards.values():
+            if hasattr(reward, "begin_step"):
+                reward.begin_step()
+
+    def close(self) -> None:
+        for reward in self.rewards.values():
+            if hasattr(reward, "close"):
+                reward.close()
+
     @staticmethod
     def nested_configs(cfg: dict) -> list[tuple[str, dict]]:
         """(config key, {"name": ..., kwargs}) per component, for `polyrl.config.schema` to validate."""
@@ -143,9 +155,9 @@ class MixReward:
             if scores.numel() != n:
                 raise ValueError(f"returned {scores.numel()} scores for {n} samples")
         except Exception as e:  # noqa: BLE001  (any failure of a component is reported, never hidden)
-            if comp.required:
-                raise RuntimeError(f"reward.mix component {comp.label!r} (required) failed: "
-                                   f"{type(e).__name__}: {e}") from e
+            if comp.required:  # a service that gave up stays one (the trainer saves the last step and stops)
+                kind = RewardUnavailable if isinstance(e, RewardUnavailable) else RuntimeError
+                raise kind(f"reward.mix component {comp.label!r} (required) failed: {type(e).__name__}: {e}") from e
             return torch.full((n,), math.nan, dtype=torch.float64), {}, f"{type(e).__name__}: {e}"
         bad = ~torch.isfinite(scores)
         if bad.any() and comp.required:

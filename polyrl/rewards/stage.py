@@ -284,7 +284,11 @@ class RewardStage:
 
     def begin(self, prompts: list, metadata: list[dict], group_ids: torch.Tensor | None = None):
         """`group_ids` (this rank's samples'): what lets a group reward be scored chunk by chunk (whole groups);
-        without them a group reward is scored at `finish`."""
+        without them a group reward is scored at `finish`. A reward with a `begin_step` method (a remote judge: its
+        per-step retry budget) is told that a step begins."""
+        start = getattr(self.reward, "begin_step", None)
+        if start is not None:
+            start()
         if self.overlap and self.groupwise:
             if group_ids is None:
                 return _Sync(self)
@@ -296,3 +300,6 @@ class RewardStage:
     def close(self) -> None:
         if self.executor is not None:
             self.executor.shutdown(wait=True, cancel_futures=True)
+        close = getattr(self.reward, "close", None)  # a remote client's connections and event loop
+        if close is not None:
+            close()

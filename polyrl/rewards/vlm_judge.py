@@ -1,10 +1,13 @@
-"""`vlm_judge`: ask a local vision-language model about each image and parse a number from its answer (the
+"""`vlm_judge`: ask a vision-language model about each image and parse a number from its answer (the
 GenRM / UnifiedReward pattern).
 
-Any transformers VLM that loads with `AutoModelForImageTextToText` + `AutoProcessor` and has a chat
-template (Qwen2-VL / Qwen2.5-VL, LLaVA, Idefics3, ...) works: one user message of [image, question], the
-question being `template` with `{prompt}` replaced by the generation prompt; greedy decoding of at most
-`max_new_tokens` tokens; the first match of `pattern` in the answer, its first group read as a float.
+The judge runs locally (`backend=local`, `path`: any transformers VLM that loads with
+`AutoModelForImageTextToText` + `AutoProcessor` and has a chat template: Qwen2-VL / Qwen2.5-VL, LLaVA, Idefics3,
+...) or behind an OpenAI-compatible server (`backend=openai`, `url`, `model`: vLLM, SGLang, `transformers serve`;
+judge_backend.py); both get the same turns and their answers are parsed the same way. One user message of
+[image, question], the question being `template` with `{prompt}` replaced by the generation prompt; greedy
+decoding of at most `max_new_tokens` tokens; the first match of `pattern` in the answer, its first group read as a
+float.
 
 Edit tasks (`source_key`, e.g. `image`): the turn is [source image(s), generated image, question], the source
 images read from that metadata column (the row's condition images: a path or a list of paths), so the judge compares
@@ -48,10 +51,8 @@ from .base import (
     image_batch_as_uint8,
     media_kind,
     register_reward,
-    resolve_device,
-    resolve_dtype,
 )
-from .clip_score import local_dir
+from .judge_backend import BACKENDS, LocalVLM, build_backend, judge_pictures  # noqa: F401  (LocalVLM: re-exported)
 
 DEFAULT_TEMPLATE = ('Look at the image. How well does it show "{prompt}"? Rate it from 0 to 10 and answer in '
                     'the form "Score: N".')
@@ -108,41 +109,6 @@ def rank_scores(ranking: list[int]) -> list[float]:
     return scores
 
 
-class LocalVLM:
-    """A local VLM and its processor; `inputs(images, questions)` builds one chat turn per image."""
-
-    def __init__(self, path: str, device: str = "auto", dtype: str = "float32", padding_side: str = "left"):
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
-        path = local_dir(path, "VLM path")
-        self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
-        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
-        self.processor = AutoProcessor.from_pretrained(path)
-        self.processor.tokenizer.padding_side = padding_side  # left: batched generation / last position = last token
-
-    def inputs(self, images: torch.Tensor, questions: list[str], sources: list[list] | None = None) -> dict:
-        """One chat turn per sample: [image, question], or [*sources[i], image, question] with source images;
-        for (B, N, 3, H, W) (N frames of a video per sample) [*sources[i], frame_1 .. frame_N, question]."""
-        if images.ndim == 5 and images.shape[2] == 3:
-            per_sample = [list(image_batch_as_uint8(clip)) for clip in images]
-        elif media_kind(images) == "images":
-            per_sample = [[image] for image in image_batch_as_uint8(images)]
-        else:
-            raise ValueError(f"VLM scorers score images (B, 3, H, W), got {tuple(images.shape)}")
-        sources = sources or [[] for _ in questions]
-        return self.turns([[*src, *own] for src, own in zip(sources, per_sample, strict=True)], questions)
-
-    def turns(self, pictures: list[list], questions: list[str]) -> dict:
-        """One chat turn per question: [its pictures (uint8 (H, W, 3) arrays) in order, question]."""
-        chats = [[{"role": "user", "content": [{"type": "image"}] * len(pics) + [{"type": "text", "text": q}]}]
-                 for q, pics in zip(questions, pictures, strict=True)]
-        text = self.processor.apply_chat_template(chats, add_generation_prompt=True, tokenize=False)
-        batch = self.processor(text=text, images=[p for pics in pictures for p in pics], return_tensors="pt",
-                               padding=True)
-        return {k: (v.to(self.device, self.dtype) if torch.is_floating_point(v) else v.to(self.device))
-                for k, v in batch.items()}
-
-
 @register_reward("vlm_judge")
 class VLMJudge:
     """Score = the number the VLM answers to `template` (module docstring); video judged from `video_frames`
@@ -150,11 +116,15 @@ class VLMJudge:
 
     media = ("images", "video")
 
-    def __init__(self, path: str, template: str | None = None, pattern: str = DEFAULT_PATTERN,
+    def __init__(self, path: str | None = None, template: str | None = None, pattern: str = DEFAULT_PATTERN,
                  score_range: list | None = None, on_unparseable: str = "error", max_new_tokens: int = 32,
                  device: str = "auto", dtype: str = "float32", source_key: str | None = None,
                  video_frames: int = 8, video_template: str | None = None, mode: str = "pointwise",
-                 group_template: str | None = None):
+                 group_template: str | None = None, backend: str = "local", trust_remote_code: bool = False,
+                 url: str | None = None, model: str | None = None, api_key_env: str | None = "POLYRL_JUDGE_API_KEY",
+                 max_concurrency: int = 8, timeout: float = 120.0, connect_timeout: float = 10.0,
+                 max_retries: int = 5, retry_budget: int = 64, backoff: float = 1.0, max_backoff: float = 30.0,
+                 image_format: str = "png", jpeg_quality: int = 95, request_options: dict | None = None):
         if mode not in MODES:
             raise ValueError(f"vlm_judge: mode={mode!r} is not valid; allowed: {', '.join(MODES)}")
         self.mode, self.groupwise = mode, mode == "groupwise"
@@ -185,8 +155,27 @@ class VLMJudge:
                 raise ValueError(f"vlm_judge: score_range={list(score_range)} must be [lo, hi] with lo < hi")
         self.template, self.score_range, self.source_key = template, score_range, source_key
         self.on_unparseable, self.max_new_tokens = on_unparseable, int(max_new_tokens)
-        self.vlm = LocalVLM(path, device, dtype)
+        remote = dict(url=url, model=model, api_key_env=api_key_env, max_concurrency=max_concurrency, timeout=timeout,
+                      connect_timeout=connect_timeout, max_retries=max_retries, retry_budget=retry_budget,
+                      backoff=backoff, max_backoff=max_backoff, image_format=image_format, jpeg_quality=jpeg_quality,
+                      request_options=request_options)
+        self.backend = backend
+        self.vlm = build_backend("vlm_judge", backend, path, device, dtype, trust_remote_code, remote)
         self.last_answers: list[str] = []
+
+    def preflight(self) -> None:
+        """backend=openai: the server answers (and names its model when reward.model is unset)."""
+        if hasattr(self.vlm, "preflight"):
+            self.vlm.preflight()
+
+    def begin_step(self) -> None:
+        """backend=openai: a new step's retry budget."""
+        if hasattr(self.vlm, "begin_step"):
+            self.vlm.begin_step()
+
+    def close(self) -> None:
+        if hasattr(self.vlm, "close"):
+            self.vlm.close()
 
     def source_images(self, metadata: list[dict]) -> list[list] | None:
         """Each sample's source images (RGB uint8 arrays) from metadata `source_key`; None without a source_key."""
@@ -215,27 +204,18 @@ class VLMJudge:
         """(B, N, 3, H, W): the `video_frames` evenly spaced frames of each (B, T, 3, H, W) clip."""
         return video[:, frame_indices(video.shape[1], min(self.video_frames, int(video.shape[1])), "vlm_judge")]
 
-    @torch.no_grad()
     def answers(self, images: torch.Tensor, prompts: list, sources: list[list] | None = None) -> list[str]:
+        """The judge's answer per sample: [*sources, image (or the frames)] with the question of its prompt."""
         template = self.video_template if images.ndim == 5 else self.template
         questions = [template.replace("{prompt}", prompt_text(p)) for p in prompts]
-        return self._generate(self.vlm.inputs(images, questions, sources))
+        return self.vlm.generate(judge_pictures(images, sources), questions, self.max_new_tokens)
 
-    @torch.no_grad()
     def group_answers(self, images: torch.Tensor, prompts: list, groups: list[list[int]]) -> list[str]:
         """One answer per group: its members' images in one turn with the group question."""
         pictures = image_batch_as_uint8(images)
         questions = [self.group_template.replace("{prompt}", prompt_text(prompts[m[0]])).replace("{n}", str(len(m)))
                      for m in groups]
-        batch = self.vlm.turns([[pictures[i] for i in m] for m in groups], questions)
-        return self._generate(batch)
-
-    def _generate(self, batch: dict) -> list[str]:
-        tok, gen = self.vlm.processor.tokenizer, self.vlm.model.generation_config
-        out = self.vlm.model.generate(**batch, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                      eos_token_id=gen.eos_token_id if gen.eos_token_id is not None else tok.eos_token_id,
-                                      pad_token_id=gen.pad_token_id if gen.pad_token_id is not None else tok.pad_token_id)
-        return self.vlm.processor.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        return self.vlm.generate([[pictures[i] for i in m] for m in groups], questions, self.max_new_tokens)
 
     def score_groups(self, images, prompts, metadata, group_ids) -> RewardOutput:
         """Groupwise mode: rank each group, scores from the ranks (module docstring)."""

@@ -33,7 +33,10 @@ class Data:
 
 
 def build_reward_and_algorithm(cfg: DictConfig):
-    reward = build_reward(OmegaConf.to_container(cfg.reward))
+    try:
+        reward = build_reward(OmegaConf.to_container(cfg.reward))
+    except ValueError as e:  # a reward refuses its arguments (they name the key): a config problem, one line
+        raise ConfigError(str(e)) from None
     if hasattr(reward, "preflight"):  # e.g. reward=http: the server answers /health
         reward.preflight()
     try:
