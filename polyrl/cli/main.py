@@ -288,6 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     except (RewardUnavailable, FloatingPointError) as e:  # the run saved its last completed step first
         print(f"polyrl: stopped: {e}", file=sys.stderr)
         return 3
+    except Exception as e:  # an out-of-memory outside a training step (loading, `polyrl eval`): one line too
+        from ..trainer.oom import oom_stage, out_of_memory
+
+        stage = oom_stage(e, "")
+        if stage is None:
+            raise
+        where = f"{stage} of polyrl {argv[0]}" if stage != "startup" else f"polyrl {argv[0]} (loading the model)"
+        print(f"polyrl: error: {out_of_memory(e, where, None)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

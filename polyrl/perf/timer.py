@@ -28,6 +28,10 @@ class StageTimer:
         try:
             with region(name):
                 yield
+        except BaseException as e:  # the innermost stage a failure happened in, for its message (trainer/oom.py)
+            if not hasattr(e, "polyrl_stage"):
+                e.polyrl_stage = name
+            raise
         finally:
             self._sync()
             key = f"time/{name}"

@@ -8,7 +8,6 @@ write and agreeing with the other ranks when to stop (distributed/engine.py).
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -26,6 +25,7 @@ from ..errors import UserError
 from ..models import MODELS
 from ..models.base import policy_kind
 from ..perf.compile import save_compile_cache
+from ..perf.determinism import set_determinism
 from ..rewards.stage import RewardStage, RewardUnavailable
 from .build import build_policy, build_reward_and_algorithm, load_data
 from .checkpoint import (
@@ -39,16 +39,10 @@ from .checkpoint import (
 from .disk import DiskFull, OptionalWrites, as_disk_full, free_space_warning, is_disk_full
 from .evaluation import HackingWatch, SampleFiles, evaluate
 from .logging import MetricsLogger, plot_reward_curve
+from .oom import oom_stage, out_of_memory
 from .recovery import SNAPSHOT_MAX_PARAMS, RunStopped, StopRequested, WeightSnapshot
 from .run_dir import RunStatus, resolve_on_main, resume_command, write_outcome
 from .step import Stages, pair_step, train_step
-
-
-def set_determinism(deterministic: bool) -> None:
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
 
 
 class Trainer:
@@ -68,7 +62,7 @@ class Trainer:
         self.run_dir, candidates, notes = resolve_on_main(self.engine, cfg)
         for note in notes:
             self.say(note)
-        set_determinism(t.deterministic)
+        set_determinism(t.deterministic, self.say)
         torch.manual_seed(t.seed)
         self.device = self.engine.device
         self.reward, self.algo = build_reward_and_algorithm(cfg)
@@ -363,13 +357,14 @@ class Trainer:
         reward service that gave up, or a non-finite gradient, is re-raised with the save note (the CLI prints it
         as one line); anything else keeps its type and traceback, the note printed first. A full disk is DiskFull,
         one line, with nothing more written: no second checkpoint on the full disk, the step that was in progress
-        is redone after resuming from the last complete checkpoint."""
+        is redone after resuming from the last complete checkpoint. An out-of-memory is one line too (trainer/oom.py)."""
         if is_disk_full(error):
             return self._as_disk_full(error)
+        oom = oom_stage(error, self._phase)  # before _recover: it frees the failed stage's tensors
         note = self._recover(collective=False)
         hint = f"\nresume with: {resume_command(self.overrides, self.run_dir)}" if self.step > 0 else ""
-        if isinstance(error, (RewardUnavailable, FloatingPointError)):
-            return type(error)(f"{error}\n{note}{hint}")
+        if isinstance(error, (RewardUnavailable, FloatingPointError)) or oom:
+            return out_of_memory(error, oom, self.cfg, note + hint) if oom else type(error)(f"{error}\n{note}{hint}")
         if isinstance(error, Exception):
             self.say(f"polyrl: the run failed in step {self.step + 1} ({type(error).__name__}); {note}{hint}")
         return error
