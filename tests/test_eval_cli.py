@@ -1,6 +1,6 @@
-"""`polyrl eval` end to end (polyrl/cli/evaluate.py) on a tiny random SD3: an interrupted evaluation that resumes
-without sampling done prompts again, noise that does not depend on the chunking, and one-line user errors. The paired
-report of a trained toy checkpoint against its base is tests/test_eval_toy.py."""
+"""`polyrl eval` end to end (through the CLI into polyrl/evaluation/engine.py) on a tiny random SD3: an interrupted
+evaluation that resumes without sampling done prompts again, noise that does not depend on the chunking, and one-line
+user errors. The paired report of a trained toy checkpoint against its base is tests/test_eval_toy.py."""
 
 import json
 
@@ -49,7 +49,7 @@ def _tiny_args(model_dir, prompts, out, scorers="[interrupting]"):
 
 def test_interrupted_eval_resumes_without_resampling_done_prompts(tiny_sd3_dir, shape_prompts_file, test_scorers,
                                                                  tmp_path, monkeypatch, capsys):
-    import polyrl.cli.evaluate as evaluate
+    import polyrl.evaluation.engine as evaluate
 
     sampled = []
     real = evaluate.sample_chunk

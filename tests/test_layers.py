@@ -1,9 +1,10 @@
 """The tree's layering: every import inside polyrl runs from a higher layer to a lower one (no import upwards), no
 two modules import each other through any chain (no circle, also through imports inside functions), and no file
 of the trainer grows past what one reads in a sitting. A new module must be placed in LAYERS; an import against the
-order fails here with both names. A unit is a top-level module or package, or a sub-package named in LAYERS with its
-dots (`toy.pretrain`: the toy tasks sit low, for the rewards to read, while their pretraining sits above the trainer,
-whose grids it writes)."""
+order fails here with both names. A unit is a top-level module or package, or a sub-package or module named in LAYERS
+with its dots: the toy tasks sit low, for the rewards to read, while their pretraining (`toy.pretrain`) sits above
+the trainer, whose grids it writes; the evaluation math (`evaluation.stats`, `evaluation.hacking`) sits low, for the
+trainer's evaluations, while `polyrl eval`'s engine (the rest of `evaluation`) sits above the trainer."""
 
 import ast
 from pathlib import Path
@@ -12,9 +13,9 @@ import polyrl
 
 ROOT = Path(polyrl.__file__).parent
 # lowest first; a unit may import only units listed before it
-LAYERS = ["errors", "run_files", "registry", "draws", "latents", "media", "batch", "perf", "models", "sampling", "algorithms", "toy",
-          "rewards", "data", "evaluation", "distributed", "actor", "config", "serving", "trainer", "toy.pretrain", "view", "cli", "__init__",
-          "__main__"]
+LAYERS = ["errors", "run_files", "registry", "draws", "latents", "media", "batch", "perf", "models", "sampling", "algorithms",
+          "toy", "rewards", "data", "evaluation.stats", "evaluation.hacking", "distributed", "actor", "config", "serving",
+          "trainer", "evaluation", "toy.pretrain", "view", "cli", "__init__", "__main__"]
 TRAINER_MAX_LINES = 400
 
 
