@@ -8,10 +8,10 @@ What differs from replicated weights:
   a mini-batch runs zero-weight ones (`_lockstep`);
 - gradients are reduced by FSDP2 in the backward; per-head norm weights under tp are summed over tp; the clip
   norm is computed over every shard (`clip_grad_norm`);
-- the `old` (EMA) policy is swapped in by value (FSDP2 gathers from its own storage, so a `.data` swap would be
+- the `old` (EMA) policy and the evaluation EMA are swapped in by value (FSDP2 gathers from its own storage, so a `.data` swap would be
   invisible to it);
 - checkpoints: rank 0 writes the usual weight files from gathered tensors (LoRA: only the adapter is gathered),
-  and every rank writes its shards of the weights, the EMA copy and the AdamW state to `distcp/`, which loads
+  and every rank writes its shards of the weights, the EMA copies and the AdamW state to `distcp/`, which loads
   on any world size. A checkpoint of the single-process format loads too (its full tensors are cut into shards).
 """
 
@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from ..distributed.dcp import DCP_DIR, actor_tensors, load_sharded, save_sharded, shard_like
 from ..distributed.fsdp2 import clip_grad_norm, parallelize
-from .local import LocalActor, set_hyperparameters
+from .local import EVAL_EMA_FILE, LocalActor, load_copies, set_hyperparameters
 
 
 class FSDP2Actor(LocalActor):
@@ -61,27 +61,25 @@ class FSDP2Actor(LocalActor):
         return clip_grad_norm(self.params, self.cfg.grad_clip)
 
     @contextmanager
-    def _swap_old(self):
-        if self.old_params is None:
-            raise RuntimeError("the `old` policy needs an EMA copy: set actor.ema_decay > 0 or use an algorithm that keeps one")
-        self._exchange_old()
+    def _swap_in(self, copies: list[torch.Tensor]):
+        self._exchange(copies)
         try:
             yield
         finally:
-            self._exchange_old()
+            self._exchange(copies)
 
     @torch.no_grad()
-    def _exchange_old(self) -> None:
-        """Swap the values of the trainable parameters and the EMA copy, shard by shard. FSDP2 keeps the root
-        module's gathered parameters between forwards, so they are dropped first: the next forward gathers the
-        swapped values."""
+    def _exchange(self, copies: list[torch.Tensor]) -> None:
+        """Swap the values of the trainable parameters and `copies` (the EMA copy, the evaluation EMA), shard by
+        shard. FSDP2 keeps the root module's gathered parameters between forwards, so they are dropped first: the
+        next forward gathers the swapped values."""
         from torch.distributed.fsdp import FSDPModule
 
         for network in self.adapter.modules().values():
             for module in network.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
-        for p, o in zip(self.params, self.old_params, strict=True):
+        for p, o in zip(self.params, copies, strict=True):
             held = p.detach().clone()
             p.copy_(o)
             o.copy_(held)
@@ -149,6 +147,9 @@ class FSDP2Actor(LocalActor):
             old = load_file(str(path))
             for name, o in zip(self.param_names, self.old_params, strict=True):
                 o.copy_(shard_like(old[name], o))
+        if self.eval_params is not None:
+            load_copies(directory, EVAL_EMA_FILE, self.param_names, self.eval_params,
+                        "the evaluation EMA (actor.eval_ema_decay > 0)", shard_like)
 
     def optimizer_state(self) -> dict:
         """The settings only: the AdamW tensors are in distcp/ (`save_weights`)."""

@@ -254,6 +254,9 @@ class LocalActor:
         self.ema_decay = float(getattr(cfg, "ema_decay", 0.0))
         keep_old = algo.needs_old or self.ema_decay > 0
         self.old_params = [p.detach().clone() for p in self.params] if keep_old else None
+        # the evaluation EMA (DiffusionNFT's authors evaluate and save an EMA of the trainable weights, decay <= 0.9)
+        self.eval_ema_decay = float(getattr(cfg, "eval_ema_decay", 0.0))
+        self.eval_params = [p.detach().clone() for p in self.params] if self.eval_ema_decay > 0 else None
         self.num_updates = 0
         self.optimizer_steps = 0  # the old copy's clock when the algorithm moves it every optimizer step
         self.draws = UpdateDraws(0)  # the update in progress's keyed random numbers (set by `update`)
@@ -281,7 +284,7 @@ class LocalActor:
         """What re-scoring a stored transition needs from the plan (diffusion: σ_1 and the step function)."""
         self._sigma_grid = self.adapter.sigmas(plan.num_steps, plan.shape)
         self.sigma_1 = stream_sigma_1(self.adapter, self._sigma_grid)
-        self.step_fn = STEPS[plan.step]
+        self.step_fn = STEPS.get(plan.step)  # None: a multistep ODE solver, never re-scored (likelihood-free only)
 
     def sigma_grid(self) -> torch.Tensor:
         """The rollout's sampling grid σ_0 = 1 > … > σ_N = 0 (float32, N + 1 values): forward-process losses that
@@ -319,18 +322,27 @@ class LocalActor:
         finally:
             live.update(trained)
 
-    @contextmanager
     def _swap_old(self):
-        """Swap the EMA tensors into the trainable parameters (and back): the `old` policy, no copy."""
+        """The EMA tensors swapped into the trainable parameters (and back): the `old` policy, no copy."""
         if self.old_params is None:
             raise RuntimeError("the `old` policy needs an EMA copy: set actor.ema_decay > 0 or use an algorithm that keeps one")
-        for p, o in zip(self.params, self.old_params, strict=True):
+        return self._swap_in(self.old_params)
+
+    @contextmanager
+    def _swap_in(self, copies: list[torch.Tensor]):
+        """`copies` (one tensor per trainable parameter) swapped into the parameters, and back on exit."""
+        for p, o in zip(self.params, copies, strict=True):
             p.data, o.data = o.data, p.data
         try:
             yield
         finally:
-            for p, o in zip(self.params, self.old_params, strict=True):
+            for p, o in zip(self.params, copies, strict=True):
                 p.data, o.data = o.data, p.data
+
+    def evaluation_weights(self):
+        """A context in which the networks hold the weights evaluation samples with: the evaluation EMA
+        (`actor.eval_ema_decay` > 0), else the trained weights as they are."""
+        return nullcontext() if self.eval_params is None else self._swap_in(self.eval_params)
 
     def policy(self, name: str):
         """A context in which the adapter's networks are the named policy (see the module docstring)."""
@@ -459,7 +471,7 @@ class LocalActor:
             return {"train/samples": 0.0}
         extra = self.prepare_old(batch)
         self._masked = []
-        terms = algo.num_terms(batch) if len(batch) else 1
+        terms = algo.num_terms_on(batch, self) if len(batch) else 1
         # the mini-batch normalisation: by samples, or by the algorithm's per-sample weights (e.g. response tokens)
         weights = algo.loss_weights(batch) if hasattr(algo, "loss_weights") else None
         stats: dict[str, list] = {}
@@ -506,7 +518,8 @@ class LocalActor:
                 self.optimizer.step()
             if getattr(algo, "old_every_optimizer_step", False):  # e.g. DGPO's old copy
                 self._ema_old(algo, self.optimizer_steps)
-                self.optimizer_steps += 1
+            self.optimizer_steps += 1
+            self._step_eval_ema()
             stats.setdefault("grad_norm", []).append((grad_norm.detach(), 1))
         self.train_mode(False)
         self._update_old(algo)
@@ -519,9 +532,11 @@ class LocalActor:
 
     def _update_old(self, algo) -> None:
         """old ← d·old + (1−d)·θ after every update (d from the algorithm's schedule, else actor.ema_decay), unless
-        the algorithm moves it after every optimizer step instead (`old_every_optimizer_step`)."""
+        the algorithm moves it after every optimizer step instead (`old_every_optimizer_step`). The schedule reads
+        the updates before this one, or with `old_decay_clock` = "optimizer_step" the optimizer steps taken so far."""
         if not getattr(algo, "old_every_optimizer_step", False):
-            self._ema_old(algo, self.num_updates)
+            by_steps = getattr(algo, "old_decay_clock", "update") == "optimizer_step"
+            self._ema_old(algo, self.optimizer_steps if by_steps else self.num_updates)
         self.num_updates += 1
 
     @torch.no_grad()
@@ -531,6 +546,15 @@ class LocalActor:
             d = self.ema_decay if d is None else d
             for p, o in zip(self.params, self.old_params, strict=True):
                 o.mul_(d).add_(p.detach(), alpha=1 - d)
+
+    @torch.no_grad()
+    def _step_eval_ema(self) -> None:
+        """e ← e + (1 − d)·(θ − e) after every optimizer step, d = `eval_ema_decay_at(optimizer steps so far)`."""
+        if self.eval_params is None:
+            return
+        d = eval_ema_decay_at(self.optimizer_steps, self.eval_ema_decay)
+        for p, e in zip(self.params, self.eval_params, strict=True):
+            e.add_((1 - d) * (p.detach() - e))
 
     # ------------------------------------------------------------------------------------ weights
     def trainable_state(self) -> dict[str, torch.Tensor]:
@@ -547,11 +571,12 @@ class LocalActor:
         return untie(out)
 
     def save_weights(self, directory: Path) -> None:
-        old = None if self.old_params is None else {n: o for n, o in zip(self.param_names, self.old_params, strict=True)}
-        self._write_weights(directory, self.trainable_state(), old)
+        old = None if self.old_params is None else dict(zip(self.param_names, self.old_params, strict=True))
+        evaluated = None if self.eval_params is None else dict(zip(self.param_names, self.eval_params, strict=True))
+        self._write_weights(directory, self.trainable_state(), old, evaluated)
 
     def _write_weights(self, directory: Path, state: dict[str, torch.Tensor], old: dict[str, torch.Tensor] | None,
-                       **meta) -> None:
+                       evaluated: dict[str, torch.Tensor] | None = None, **meta) -> None:
         """The weight files of a checkpoint (full tensors) and weights.json with `meta` added."""
         directory.mkdir(parents=True, exist_ok=True)
         if self.lora:  # one file, keys `<network>.<peft key>` (the diffusers pipeline LoRA layout)
@@ -561,6 +586,8 @@ class LocalActor:
                 save_file(part, str(directory / f"{name}.safetensors"))
         if old is not None:  # the EMA / old policy, so that a resumed run continues exactly
             save_file({n: o.contiguous() for n, o in old.items()}, str(directory / "old_weights.safetensors"))
+        if evaluated is not None:  # the evaluation EMA (actor.eval_ema_decay), the same way
+            save_file({n: e.contiguous() for n, e in evaluated.items()}, str(directory / EVAL_EMA_FILE))
         meta = {"lora": self.lora, "lora_rank": self.cfg.lora_rank, "lora_alpha": self.cfg.lora_alpha,
                 "lora_targets": self.lora_targets, "networks": list(self.adapter.modules()),
                 "updates": self.num_updates, "optimizer_steps": self.optimizer_steps, **meta}
@@ -571,6 +598,12 @@ class LocalActor:
         load_trained_weights(self.adapter, directory, lora_already_added=True)
         meta = json.loads((directory / "weights.json").read_text())
         self.num_updates, self.optimizer_steps = int(meta.get("updates", 0)), int(meta.get("optimizer_steps", 0))
+        if self.eval_params is not None:
+            if not (directory / EVAL_EMA_FILE).is_file() and (directory / DCP_DIR).is_dir():
+                load_sharded(directory / DCP_DIR, {"eval_ema": dict(zip(self.param_names, self.eval_params, strict=True))})
+            else:
+                load_copies(directory, EVAL_EMA_FILE, self.param_names, self.eval_params, "the evaluation EMA "
+                            "(actor.eval_ema_decay > 0)")
         if self.old_params is not None:
             path = directory / "old_weights.safetensors"
             if not path.is_file() and (directory / DCP_DIR).is_dir():  # written sharded (actor.backend=fsdp2)
@@ -594,6 +627,28 @@ class LocalActor:
         load_sharded(Path(directory) / saved["sharded"],
                      {"optimizer": adam_state(self.optimizer, self.param_names, self.params)})
         set_hyperparameters(self.optimizer, saved["param_groups"])
+
+
+EVAL_EMA_FILE = "eval_ema_weights.safetensors"
+
+
+def eval_ema_decay_at(step: int, max_decay: float) -> float:
+    """The evaluation EMA's decay after optimizer step `step` (1 after the first): min((1 + s)/(10 + s), max_decay),
+    the warm-up of DiffusionNFT's `EMAModuleWrapper.get_current_decay` (flow_grpo/ema.py at 24af5554; their
+    recipes: max 0.9)."""
+    return min((1 + step) / (10 + step), max_decay)
+
+
+def load_copies(directory: Path, name: str, names: list[str], copies: list[torch.Tensor], what: str,
+                cut=None) -> None:
+    """Fill `copies` (one per trainable parameter, in `names`' order) from `directory/name`; `cut(full, like)`
+    makes a rank's shard of a full tensor (actor/fsdp2.py)."""
+    path = directory / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} has no {name} ({what} this run keeps)")
+    state = load_file(str(path))
+    for n, c in zip(names, copies, strict=True):
+        c.copy_(state[n] if cut is None else cut(state[n], c))
 
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:

@@ -66,6 +66,9 @@ class AlgorithmBase:
     max_refills: int = 3  # at most this many extra rollouts per step
     whole_groups: bool = False  # every mini- and micro-batch holds whole prompt groups (DGPO's group preference)
     old_every_optimizer_step: bool = False  # the old (EMA) copy moves after every optimizer step, not every update
+    # the clock `old_decay` reads after an update: "update" (updates before this one) or "optimizer_step" (optimizer
+    # steps taken so far, this update's included: DiffusionNFT's authors' `return_decay(global_step)`)
+    old_decay_clock: str = "update"
 
     @property
     def needs_reference(self) -> bool:
@@ -75,6 +78,11 @@ class AlgorithmBase:
     def num_terms(self, batch: Rollout) -> int:
         """Loss terms per sample; the actor averages `step_loss` over k in range(num_terms)."""
         return batch.log_probs.shape[1]
+
+    def num_terms_on(self, batch: Rollout, policy: PolicyEvaluator) -> int:
+        """`num_terms` where it depends on the policy's sampling grid (DiffusionNFT's grid draw: int(fraction·N));
+        the actor calls this one. Default: `num_terms(batch)`."""
+        return self.num_terms(batch)
 
     def prepare(self, batch: Rollout) -> Rollout:
         """The training batch made from a scored rollout (e.g. DPO pairs); default: the rollout itself, without
@@ -90,7 +98,8 @@ class AlgorithmBase:
 
     def old_decay(self, update: int) -> float | None:
         """Decay d of the old-policy update old ← d·old + (1−d)·θ after update number `update` (optimizer step
-        number with `old_every_optimizer_step`); None: actor.ema_decay."""
+        number with `old_every_optimizer_step`; the optimizer steps taken so far with `old_decay_clock` =
+        "optimizer_step"); None: actor.ema_decay."""
         return None
 
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:

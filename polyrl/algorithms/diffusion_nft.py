@@ -1,7 +1,15 @@
 """DiffusionNFT (docs/algorithms.md §3): likelihood-free, forward-process loss between v⁺ and v⁻ around the old policy.
 
 The rollout runs under the `old` policy (an EMA copy of the trainable weights the actor keeps) with any solver
-(an ODE rollout, noise_level 0, and guidance 1 are allowed); the loss only needs the clean latent and the reward.
+(an ODE rollout, noise_level 0, the second-order `rollout.step=dpm2`, and guidance 1 are allowed); the loss only
+needs the clean latent and the reward.
+
+Two choices of the authors' code (NVlabs/DiffusionNFT at 24af5554, scripts/train_nft_sd3.py) are options here, off
+by default: `time_sampling: grid` trains each sample on int(grid_fraction·N) distinct timesteps of the rollout's
+own N-step grid (a per-sample permutation, as their `perms_time`; σ = 1 included), instead of `num_timesteps`
+uniform t in `timestep_range`; `decay_clock: optimizer_step` evaluates the old-policy decay at the number of
+optimizer steps taken so far, after this update's (their `return_decay(global_step)` after each epoch), instead
+of at the number of updates before this one.
 """
 
 from __future__ import annotations
@@ -41,6 +49,23 @@ def old_decay(update: int, decay: float, slope: float, start: int, max_decay: fl
     return min(max(decay + slope * max(update - start, 0), 0.0), max_decay)
 
 
+TIME_SAMPLINGS = ("uniform", "grid")
+DECAY_CLOCKS = ("update", "optimizer_step")
+
+
+def grid_terms(num_steps: int, fraction: float) -> int:
+    """Loss terms per sample of the grid draw: int(fraction·N) (the authors' `num_train_timesteps`; 9 of 10 steps,
+    24 of 25 at fraction 0.99)."""
+    return int(num_steps * fraction)
+
+
+def grid_time(grid: torch.Tensor, perm: torch.Tensor, k: int) -> torch.Tensor:
+    """t (B,) of loss term k of the grid draw: σ_{perm[b, k]} of the grid's step sigmas σ_0 = 1 … σ_{N−1} (σ_N = 0
+    is never trained); `perm` (B, N) holds one permutation of range(N) per sample, so the terms of a sample train
+    distinct timesteps."""
+    return grid[:-1][perm[:, k]]
+
+
 @register_algorithm("diffusion_nft")
 class DiffusionNFT(AlgorithmBase):
     needs_old = True
@@ -49,12 +74,21 @@ class DiffusionNFT(AlgorithmBase):
 
     def __init__(self, mix_beta: float = 0.1, adv_clip_max: float = 5.0, adv_std: str = "global",
                  num_timesteps: int = 2, timestep_range: tuple = (0.02, 0.98), ref_coef: float = 0.0,
-                 decay: float = 0.0, decay_slope: float = 0.0, decay_start: int = 0, decay_max: float = 0.999):
+                 decay: float = 0.0, decay_slope: float = 0.0, decay_start: int = 0, decay_max: float = 0.999,
+                 time_sampling: str = "uniform", grid_fraction: float = 0.99, decay_clock: str = "update"):
         self.mix_beta, self.adv_clip_max, self.adv_std = mix_beta, adv_clip_max, adv_std
         self.num_timesteps, self.timestep_range, self.ref_coef = num_timesteps, tuple(timestep_range), ref_coef
         self.decay, self.decay_slope, self.decay_start, self.decay_max = decay, decay_slope, decay_start, decay_max
+        self.time_sampling, self.grid_fraction, self.decay_clock = time_sampling, grid_fraction, decay_clock
         if not 0 < mix_beta <= 1:
             raise ValueError(f"algorithm.mix_beta={mix_beta} must be in (0, 1]")
+        if time_sampling not in TIME_SAMPLINGS:
+            raise ValueError(f"algorithm.time_sampling={time_sampling!r}; allowed: {', '.join(TIME_SAMPLINGS)}")
+        if not 0 < grid_fraction <= 1:
+            raise ValueError(f"algorithm.grid_fraction={grid_fraction} must be in (0, 1]")
+        if decay_clock not in DECAY_CLOCKS:
+            raise ValueError(f"algorithm.decay_clock={decay_clock!r}; allowed: {', '.join(DECAY_CLOCKS)}")
+        self.old_decay_clock = decay_clock
 
     @property
     def needs_reference(self) -> bool:
@@ -63,16 +97,39 @@ class DiffusionNFT(AlgorithmBase):
     def num_terms(self, batch: Rollout) -> int:
         return self.num_timesteps
 
+    def num_terms_on(self, batch: Rollout, policy: PolicyEvaluator) -> int:
+        if self.time_sampling == "grid":
+            return self._grid_terms(policy)
+        return self.num_timesteps
+
+    def _grid_terms(self, policy: PolicyEvaluator) -> int:
+        n = len(policy.sigma_grid()) - 1
+        terms = grid_terms(n, self.grid_fraction)
+        if terms < 1:
+            raise ValueError(f"algorithm.grid_fraction={self.grid_fraction} of the {n}-step grid trains no timestep "
+                             f"(int({self.grid_fraction}·{n}) = 0)")
+        return terms
+
     def old_decay(self, update: int) -> float:
         return old_decay(update, self.decay, self.decay_slope, self.decay_start, self.decay_max)
+
+    def train_time(self, policy: PolicyEvaluator, batch: Rollout, term: int) -> torch.Tensor:
+        """t (B,) of loss term `term` on the CPU, keyed by (update, sample, term) (§7): uniform in
+        `timestep_range`, or the grid draw (`grid_time`, one permutation per sample for all its terms)."""
+        index = sample_index(batch)
+        if self.time_sampling == "grid":
+            grid = policy.sigma_grid().cpu()
+            perm = policy.draws.permutation("nft/grid", index, len(grid) - 1)
+            return grid_time(grid, perm, term)
+        lo, hi = self.timestep_range
+        return lo + (hi - lo) * policy.draws.uniform("nft/t", index, term)
 
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, term: int) -> tuple[torch.Tensor, dict]:
         x0 = batch.final
         device = next(iter(x0.values())).device
-        lo, hi = self.timestep_range
         # t and ε keyed by (update, sample, term) (§7), drawn on the CPU (the same on any device), then moved
         index = sample_index(batch)
-        t = (lo + (hi - lo) * policy.draws.uniform("nft/t", index, term)).to(device)
+        t = self.train_time(policy, batch, term).to(device)
         t_entry = policy.stream_sigmas(t)
         noise = policy.draws.normal("nft/eps", index, latent_shapes(x0), term)
         x_t = {}

@@ -62,7 +62,7 @@ class RolloutConfig:
     sde_window_range: list = field(default_factory=lambda: [0, 0])
     batch_size: int = 64
     negative_prompt: str = ""
-    step: str = "sde"  # sde | cps | dance (the reverse step; the actor re-scores with the same one)
+    step: str = "sde"  # sde | cps | dance (the reverse step; the actor re-scores with the same one) | dpm2 (an ODE solver)
     sde_window_strategy: str = "per_sample"  # per_sample | random | progressive
     sde_window_every: int = 1  # progressive: training steps between window slides
     shared_initial_noise: bool = False  # one initial noise per prompt group (DanceGRPO)
@@ -97,6 +97,9 @@ class ActorConfig:
     num_minibatches: int = 2  # optimizer steps per training step
     micro_batch_size: int = 0  # 0: the whole mini-batch in one forward
     ema_decay: float = 0.0  # > 0: keep an EMA copy of the trainable weights (the `old` policy), old ← d·old + (1−d)·θ
+    # > 0: a separate EMA of the trainable weights that held-out evaluation samples with and checkpoints keep, moved
+    # after every optimizer step s with d = min((1 + s)/(10 + s), eval_ema_decay) (DiffusionNFT's authors: 0.9)
+    eval_ema_decay: float = 0.0
     # recompute block activations in the backward (memory for compute): true every block, a share in (0, 1] that
     # share of the blocks, evenly spread
     gradient_checkpointing: Union[bool, float] = False  # noqa: UP007 (OmegaConf reads typing.Union, not `|`)
@@ -411,9 +414,9 @@ def validate(raw: DictConfig) -> DictConfig:
             f"num_steps - sde_window_size = {r.num_steps - r.sde_window_size}"
         )
     from ..sampling.diffusion import WINDOW_STRATEGIES
-    from ..sampling.steps import LOG_DENSITIES, STEPS
+    from ..sampling.steps import LOG_DENSITIES, ODE_STEPS, ROLLOUT_STEPS
 
-    _check_choice("rollout.step", r.step, sorted(STEPS))
+    _check_choice("rollout.step", r.step, sorted(ROLLOUT_STEPS))
     _check_choice("rollout.log_density", r.log_density, LOG_DENSITIES)
     _check_choice("rollout.sde_window_strategy", r.sde_window_strategy, WINDOW_STRATEGIES)
     if r.sde_window_every < 1:
@@ -425,6 +428,12 @@ def validate(raw: DictConfig) -> DictConfig:
                           f"only likelihood-free algorithms such as diffusion_nft may sample with the ODE)")
     if r.noise_level < 0:
         raise ConfigError(f"rollout.noise_level={r.noise_level} must be >= 0")
+    if r.step in ODE_STEPS and (uses_log_probs or r.noise_level != 0):
+        need = (f"algorithm {cfg.algorithm.name} scores the rollout's log-probabilities" if uses_log_probs
+                else f"rollout.noise_level={r.noise_level} must be 0")
+        raise ConfigError(f"rollout.step={r.step} is a deterministic ODE solver without a log-density: {need}; it "
+                          "serves the likelihood-free algorithms (diffusion_nft, awm, dgpo, diffusion_dpo) with "
+                          "rollout.noise_level=0")
     if cfg.data.pairs_path is not None and not getattr(algo_cls, "trains_on_pairs", False):
         allowed = sorted(n for n, c in ALGORITHMS.items() if getattr(c, "trains_on_pairs", False))
         raise ConfigError(f"data.pairs_path is set but algorithm {cfg.algorithm.name} does not train on preference "
@@ -456,6 +465,8 @@ def validate(raw: DictConfig) -> DictConfig:
         raise ConfigError(str(e)) from None
     if not 0 <= a.ema_decay < 1:
         raise ConfigError(f"actor.ema_decay={a.ema_decay} must be in [0, 1)")
+    if not 0 <= a.eval_ema_decay < 1:
+        raise ConfigError(f"actor.eval_ema_decay={a.eval_ema_decay} must be in [0, 1) (0: evaluate the trained weights)")
     if a.lora_rank < 0:
         raise ConfigError(f"actor.lora_rank={a.lora_rank} must be >= 0 (0 = full fine-tune)")
     batch = cfg.data.prompts_per_step * r.n

@@ -1,9 +1,10 @@
 """Sharded checkpoints (torch.distributed.checkpoint) of the actor's trainable state, by parameter name.
 
-`actor.backend=fsdp2` writes its trainable weights, the EMA / old copy and the AdamW state into `<checkpoint>/distcp/`:
+`actor.backend=fsdp2` writes its trainable weights, the EMA / old copy, the evaluation EMA and the AdamW state into
+`<checkpoint>/distcp/`:
 every rank writes its own shards in parallel, and a later run loads them into whatever layout it has (another
 world size, another sharding, or plain tensors in one process: DCP reshards on load). The keys are
-`weights/<network>.<parameter>`, `old/<network>.<parameter>` and `optimizer/<network>.<parameter>/<state>`, so they
+`weights/<network>.<parameter>`, `old/<network>.<parameter>`, `eval_ema/<network>.<parameter>` and `optimizer/<network>.<parameter>/<state>`, so they
 do not depend on the layout either. The single-process format (safetensors + the optimizer's `state_dict()` in
 trainer_state.pt) is converted here too: `shard_like` places a full tensor into a parameter's layout.
 """
@@ -49,6 +50,8 @@ def actor_tensors(actor) -> dict:
              "optimizer": adam_state(actor.optimizer, actor.param_names, actor.params)}
     if actor.old_params is not None:
         state["old"] = dict(zip(actor.param_names, actor.old_params, strict=True))
+    if getattr(actor, "eval_params", None) is not None:  # the evaluation EMA (actor.eval_ema_decay)
+        state["eval_ema"] = dict(zip(actor.param_names, actor.eval_params, strict=True))
     return state
 
 

@@ -26,7 +26,7 @@ from ..perf.profile import region
 from ..perf.timer import StageTimer
 from ..perf.transfer import host_copy, to_host
 from .base import REFILL_STREAM, SAMPLERS, DrawAhead, step_generator
-from .steps import STEPS, step_latents
+from .steps import STEPS, dpm2_latents, step_latents
 
 WINDOW_STRATEGIES = ("per_sample", "random", "progressive")
 
@@ -205,7 +205,8 @@ class Walk:
         self.grid = self.sigmas.to(device, non_blocking=True)
         self.starts_on = self.starts.to(device, non_blocking=True)
         self.step_noise = {k: [z.to(device, non_blocking=True) for z in s] for k, s in noise.steps.items()}
-        self.step_fn = STEPS[plan.step]
+        self.step_fn = STEPS.get(plan.step)  # None for a multistep ODE solver (`dpm2`, `_dpm2`)
+        self.x0_prev: Latents | None = None  # `dpm2`: the previous step's data prediction
         self.states, self.log_probs, self.levels, self.means = [self.x], [], [], []
 
     def sigma(self, j: int) -> torch.Tensor:
@@ -222,16 +223,27 @@ class Walk:
         level = self.plan.noise_level * ((j >= self.starts_on) & (j < self.starts_on + self.w)).float()
         sigma, sigma_next = self.grid[j].expand(self.b), self.grid[j + 1].expand(self.b)
         with region("step_math/rollout"):
-            z = {k: s[j] for k, s in self.step_noise.items()}
-            out = step_latents(self.step_fn, self.x, v, stream_sigmas(self.adapter, sigma),
-                               stream_sigmas(self.adapter, sigma_next), level, self.sigma_1, noise=z,
-                               log_density=self.plan.log_density)
+            if self.step_fn is None:
+                out = self._dpm2(j, v, sigma, sigma_next)
+            else:
+                z = {k: s[j] for k, s in self.step_noise.items()}
+                out = step_latents(self.step_fn, self.x, v, stream_sigmas(self.adapter, sigma),
+                                   stream_sigmas(self.adapter, sigma_next), level, self.sigma_1, noise=z,
+                                   log_density=self.plan.log_density)
         self.x = out.sample
         self.states.append(self.x)
         self.means.append(out.mean)
         self.log_probs.append(out.log_prob)
         self.levels.append(level)
         return self.x
+
+    def _dpm2(self, j: int, v: Latents, sigma: torch.Tensor, sigma_next: torch.Tensor):
+        """Step j of the second-order multistep DPM-Solver++ (`rollout.step=dpm2`, steps.py `dpm2_step`): it reads
+        step j − 1's data prediction and keeps this one's."""
+        sigma_prev = None if j == 0 else stream_sigmas(self.adapter, self.grid[j - 1].expand(self.b))
+        out, self.x0_prev = dpm2_latents(self.x, v, stream_sigmas(self.adapter, sigma),
+                                         stream_sigmas(self.adapter, sigma_next), sigma_prev, self.x0_prev)
+        return out
 
     def result(self) -> Sampled:
         # the window is gathered on the device: only its W+1 states (of N+1) will cross to the host

@@ -1,6 +1,8 @@
 """Reverse steps of a flow-matching sampler with a Gaussian transition density (docs/algorithms.md §1).
 
-Three steps share one signature (`STEPS`, picked by `rollout.step`; the actor re-scores with the same one):
+Three steps share one signature (`STEPS`, picked by `rollout.step`; the actor re-scores with the same one); a
+fourth, `dpm2` (`dpm2_step`, the second-order multistep DPM-Solver++ ODE solver), carries the previous step's data
+prediction and has no log-density, so only likelihood-free algorithms sample with it:
 
 | step | transition std `s` | log-density | PPO clip default |
 |---|---|---|---|
@@ -137,6 +139,55 @@ def dance_step(
 
 
 STEPS = {"sde": sde_step, "cps": cps_step, "dance": dance_step}
+
+
+def dpm2_step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, sigma_prev=None,
+              x0_prev: torch.Tensor | None = None) -> tuple[StepOut, torch.Tensor]:
+    """One step of the second-order multistep DPM-Solver++ ODE solver (2M, midpoint form; Lu et al. 2022,
+    arXiv 2211.01095) on a flow-matching grid, α = 1 − σ, λ = log(α/σ), data prediction x̂0 = x − σ·v:
+
+        x' = (σ'/σ)·x − c·(x̂0 + ½·r·(x̂0 − x̂0_prev)),  c = α'·(e^(−h) − 1) = α·σ'/σ − α',  r = h/h_prev,
+
+    h = λ' − λ, h_prev = λ − λ_prev. First order (r = 0, the DDIM / Euler step) where there is no previous
+    prediction (`x0_prev` None: the first step), at the last step (σ' = 0: diffusers' `lower_order_final`) and
+    where σ_prev = 1 (λ_prev = −∞ makes r = 0, as in diffusers' and DiffusionNFT's solver). Deterministic: `std` and
+    `log_prob` are 0. Coefficients in float64, arithmetic in x's dtype. Returns (StepOut, x̂0 for the next step)."""
+    sig, sig_next = per_sample(sigma, x).double(), per_sample(sigma_next, x).double()
+    x0 = x - _view(per_sample(sigma, x), x) * v
+    alpha, alpha_next = 1 - sig, 1 - sig_next
+    c_x = sig_next / sig
+    c = alpha * sig_next / sig - alpha_next
+    ratio = torch.zeros_like(sig)
+    if x0_prev is not None:
+        sig_prev = per_sample(sigma_prev, x).double()
+        second = (sig_next > 0) & (sig_prev < 1)
+        safe = lambda t: torch.where(second, t, torch.full_like(t, 0.5))  # noqa: E731 (λ of the rows kept only)
+        lam = lambda t: torch.log(1 - t) - torch.log(t)  # noqa: E731
+        h = lam(safe(sig_next)) - lam(safe(sig))
+        h_prev = lam(safe(sig)) - lam(torch.where(second, sig_prev, torch.full_like(sig_prev, 0.25)))
+        ratio = torch.where(second, h / h_prev, ratio)
+    c_x, c, ratio = (_view(t.to(x.dtype), x) for t in (c_x, c, ratio))
+    d = x0 if x0_prev is None else x0 + 0.5 * ratio * (x0 - x0_prev)
+    sample = c_x * x - c * d
+    zero = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+    return StepOut(sample, zero, sample, zero, step="dpm2"), x0
+
+
+ODE_STEPS = ("dpm2",)  # multistep ODE solvers: no log-density, so likelihood-free algorithms only
+ROLLOUT_STEPS = (*STEPS, *ODE_STEPS)  # what `rollout.step` takes
+
+
+def dpm2_latents(x: Latents, v: Latents, sigma, sigma_next, sigma_prev, x0_prev: Latents | None
+                 ) -> tuple[StepOut, Latents]:
+    """`dpm2_step` on every entry of `x` (σ's shared, or one per entry: `DiffusionPolicy.stream_sigmas`); returns
+    (StepOut with log_prob 0, each entry's x̂0)."""
+    outs = {k: dpm2_step(x[k], v[k], for_entry(sigma, k), for_entry(sigma_next, k),
+                         None if sigma_prev is None else for_entry(sigma_prev, k),
+                         None if x0_prev is None else x0_prev[k]) for k in x}
+    first = next(iter(outs.values()))[0]
+    sample = {k: o.sample for k, (o, _) in outs.items()}
+    return (StepOut(sample, first.log_prob, sample, first.std, step="dpm2"),
+            {k: x0 for k, (_, x0) in outs.items()})
 
 
 def squared_distance_log_prob(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

@@ -87,13 +87,14 @@ def tensor_bytes(obj) -> int:
 
 def estimate_checkpoint_bytes(actor) -> int:
     """About the bytes of one checkpoint of `actor`, before any is written: its trainable weights, the EMA / old
-    copy when it keeps one, and AdamW's two float32 moments per trainable element (actor/local.py builds AdamW;
-    before its first step the optimizer holds no state yet, so the moments are counted from the parameters), plus
-    32 KiB for the RNG states, the sampler and the small files (about 16 KiB measured). An upper estimate where
-    the weights are saved in a narrower dtype."""
+    copy and the evaluation EMA when it keeps them, and AdamW's two float32 moments per trainable element
+    (actor/local.py builds AdamW; before its first step the optimizer holds no state yet, so the moments are counted
+    from the parameters), plus 32 KiB for the RNG states, the sampler and the small files (about 16 KiB measured).
+    An upper estimate where the weights are saved in a narrower dtype."""
     params = list(actor.params)
     weights = tensor_bytes(params)
     old = tensor_bytes(list(getattr(actor, "old_params", None) or []))
+    old += tensor_bytes(list(getattr(actor, "eval_params", None) or []))  # the evaluation EMA
     moments = sum(2 * 4 * p.numel() for p in params)
     return weights + old + moments + 32 * 1024
 

@@ -14,9 +14,9 @@ SNAPSHOT_MAX_PARAMS = 2**25  # trainable elements copied to the CPU before each 
 
 
 class WeightSnapshot:
-    """The actor's trainable state before an update (weights, optimizer, EMA / old copy, update count) on the CPU:
-    a step that fails or is abandoned in the middle of its update is rolled back to it, so the last completed
-    step can still be saved. Taken only while the trainable weights have at most SNAPSHOT_MAX_PARAMS elements
+    """The actor's trainable state before an update (weights, optimizer, EMA / old copy, evaluation EMA, update and
+    optimizer step counts) on the CPU: a step that fails or is abandoned in the middle of its update is rolled back
+    to it, so the last completed step can still be saved. Taken only while the trainable weights have at most SNAPSHOT_MAX_PARAMS elements
     (every LoRA we train; a full fine-tune of a large model is not copied every step).
 
     From a GPU the tensors are copied into pinned memory without waiting: a copy into pageable memory makes the
@@ -29,7 +29,9 @@ class WeightSnapshot:
         self.optimizer = _to_cpu(actor.optimizer.state_dict())
         old = getattr(actor, "old_params", None)
         self.old = None if old is None else [_host_copy(o) for o in old]
-        self.updates = actor.num_updates
+        evaluated = getattr(actor, "eval_params", None)  # the evaluation EMA (actor.eval_ema_decay)
+        self.evaluated = None if evaluated is None else [_host_copy(e) for e in evaluated]
+        self.updates, self.optimizer_steps = actor.num_updates, getattr(actor, "optimizer_steps", 0)
         devices = {p.device for p in actor.params if p.device.type == "cuda"}
         self.copied = [torch.cuda.current_stream(d).record_event() for d in devices]
 
@@ -47,7 +49,10 @@ class WeightSnapshot:
         if self.old is not None:
             for o, saved in zip(actor.old_params, self.old, strict=True):
                 o.copy_(saved)
-        actor.num_updates = self.updates
+        if self.evaluated is not None:
+            for e, saved in zip(actor.eval_params, self.evaluated, strict=True):
+                e.copy_(saved)
+        actor.num_updates, actor.optimizer_steps = self.updates, self.optimizer_steps
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
