@@ -151,7 +151,8 @@ def dpm2_step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, sigma_prev=No
     h = λ' − λ, h_prev = λ − λ_prev. First order (r = 0, the DDIM / Euler step) where there is no previous
     prediction (`x0_prev` None: the first step), at the last step (σ' = 0: diffusers' `lower_order_final`) and
     where σ_prev = 1 (λ_prev = −∞ makes r = 0, as in diffusers' and DiffusionNFT's solver). Deterministic: `std` and
-    `log_prob` are 0. Coefficients in float64, arithmetic in x's dtype. Returns (StepOut, x̂0 for the next step)."""
+    `log_prob` are 0. Coefficients in float64, arithmetic in x's and v's dtype. Returns (StepOut, x̂0 for the next
+    step)."""
     sig, sig_next = per_sample(sigma, x).double(), per_sample(sigma_next, x).double()
     x0 = x - _view(per_sample(sigma, x), x) * v
     alpha, alpha_next = 1 - sig, 1 - sig_next
@@ -166,10 +167,11 @@ def dpm2_step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, sigma_prev=No
         h = lam(safe(sig_next)) - lam(safe(sig))
         h_prev = lam(safe(sig)) - lam(torch.where(second, sig_prev, torch.full_like(sig_prev, 0.25)))
         ratio = torch.where(second, h / h_prev, ratio)
-    c_x, c, ratio = (_view(t.to(x.dtype), x) for t in (c_x, c, ratio))
+    dtype = torch.promote_types(x.dtype, v.dtype)  # a float32 initial state with a float64 network's velocity
+    c_x, c, ratio = (_view(t.to(dtype), x) for t in (c_x, c, ratio))
     d = x0 if x0_prev is None else x0 + 0.5 * ratio * (x0 - x0_prev)
     sample = c_x * x - c * d
-    zero = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+    zero = torch.zeros(x.shape[0], dtype=dtype, device=x.device)
     return StepOut(sample, zero, sample, zero, step="dpm2"), x0
 
 
