@@ -3,7 +3,8 @@
 Layout: `<run>/checkpoints/step_000010/` holding `adapter_model.safetensors` (LoRA) or `<network>.safetensors`
 (full fine-tune), `old_weights.safetensors` (when the run keeps an EMA / old policy),
 `eval_ema_weights.safetensors` (the evaluation EMA, `actor.eval_ema_decay`), `weights.json`, `trainer_state.pt`
-(optimizer, prompt sampler position, step, RNG states) and `checksums.json` (size and SHA-256 of every other file). Every other random draw is a function of (seed, step), so a resumed run continues exactly.
+(optimizer, prompt sampler position, step, RNG states) and `checksums.json` (size and SHA-256 of every other file).
+Every other random draw is a function of (seed, step), so a resumed run continues exactly.
 
 With sharded weights (`actor.backend=fsdp2`) every rank takes part: rank 0 writes the weight files above from
 gathered tensors (LoRA: the adapter only) and the trainer state (with the optimizer's settings only), every rank
