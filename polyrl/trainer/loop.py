@@ -153,10 +153,9 @@ class Trainer:
     def evaluate(self, n: int | None = None):
         """(mean held-out reward, the scored batch) of `trainer.eval_samples` deterministic samples, under the
         actor's evaluation weights (the evaluation EMA with actor.eval_ema_decay > 0)."""
-        t = self.cfg.trainer
+        t, rows = self.cfg.trainer, self.data.heldout or self.data.source.rows
         with self.actor.evaluation_weights():
-            return evaluate(self.sampler, self.reward, self.cfg.reward.name,
-                            self.data.heldout or self.data.source.rows, n or t.eval_samples, t.eval_seed)
+            return evaluate(self.sampler, self.reward, self.cfg.reward.name, rows, n or t.eval_samples, t.eval_seed)
 
     def _eval_and_grid(self, metrics: dict) -> None:
         """Held-out evaluation and its samples (rank 0; the other ranks wait at the next collective, or evaluate
