@@ -260,6 +260,16 @@ class RayRewardStage:
         self.steps += 1
         return RemoteScoring(self.pool, list(prompts), list(metadata), self.steps)
 
+    def end_step(self) -> None:
+        """Nothing: the workers' rewards keep no per-step state here (reward=mix's `running` normalisation there uses
+        each call's own scores; docs/rewards.md)."""
+
+    def checkpoint_extra(self) -> dict:
+        return {}
+
+    def load_reward_state(self, state) -> None:
+        pass
+
     def close(self) -> None:
         self.pool.close()
 

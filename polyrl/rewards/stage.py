@@ -285,7 +285,7 @@ class RewardStage:
     def begin(self, prompts: list, metadata: list[dict], group_ids: torch.Tensor | None = None):
         """`group_ids` (this rank's samples'): what lets a group reward be scored chunk by chunk (whole groups);
         without them a group reward is scored at `finish`. A reward with a `begin_step` method (a remote judge: its
-        per-step retry budget) is told that a step begins."""
+        per-step retry budget; reward=mix: its running statistics) is told that a training step begins."""
         start = getattr(self.reward, "begin_step", None)
         if start is not None:
             start()
@@ -296,6 +296,23 @@ class RewardStage:
         if self.overlap:
             return _Overlapped(self, list(prompts), list(metadata))
         return _Sync(self)
+
+    def end_step(self) -> None:
+        """The step trained: a reward with an `end_step` method (reward=mix's running statistics) is told."""
+        end = getattr(self.reward, "end_step", None)
+        if end is not None:
+            end()
+
+    def checkpoint_extra(self) -> dict:
+        """What a checkpoint keeps of the reward: {"reward": its `reward_state()`} (reward=mix's running statistics),
+        or nothing."""
+        get = getattr(self.reward, "reward_state", None)
+        return {"reward": get()} if get is not None else {}
+
+    def load_reward_state(self, state: dict | None) -> None:
+        load = getattr(self.reward, "load_reward_state", None)
+        if state is not None and load is not None:
+            load(state)
 
     def close(self) -> None:
         if self.executor is not None:

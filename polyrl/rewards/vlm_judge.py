@@ -168,8 +168,8 @@ class VLMJudge:
         if hasattr(self.vlm, "preflight"):
             self.vlm.preflight()
 
-    def begin_step(self) -> None:
-        """backend=openai: a new step's retry budget."""
+    def begin_step(self, train: bool = True) -> None:
+        """backend=openai: a new step's (or evaluation's) retry budget."""
         if hasattr(self.vlm, "begin_step"):
             self.vlm.begin_step()
 

@@ -32,8 +32,8 @@ def evaluate(sampler, reward, reward_name: str, rows: list[dict], n: int, seed: 
     """(mean held-out reward, the scored batch) of n deterministic samples of `rows`."""
     prompts, metadata = heldout_rows(rows, n)
     batch = sampler.evaluate(prompts, metadata, seed)
-    if hasattr(reward, "begin_step"):  # a remote judge: the evaluation has a retry budget of its own
-        reward.begin_step()
+    if hasattr(reward, "begin_step"):  # an evaluation, not a training step (a remote judge's budget, reward=mix's stats)
+        reward.begin_step(train=False)
     score_batch(reward, reward_name, batch)
     return float(batch.rewards.mean()), batch
 

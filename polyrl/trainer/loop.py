@@ -78,6 +78,7 @@ class Trainer:
             else:  # the one named: no fallback
                 loaded, state = candidates[0], load_checkpoint(candidates[0], self.actor, self.data.source)
             self.step = state["step"]
+            self.reward_stage.load_reward_state(state.get("reward"))  # reward=mix's running statistics
             self.say(f"polyrl: resuming run {self.run_dir} from {loaded.name} (step {self.step})"
                      + (" instead" if loaded != candidates[0] else ""))
         self.logger = None
@@ -275,7 +276,8 @@ class Trainer:
                                       "rank cannot ask for")
             if self.engine.is_main or self.engine.sharded:  # sharded: every rank writes its shards
                 t = self.cfg.trainer  # rotation (rank 0) only once the new checkpoint is complete
-                save_checkpoint(ckpt, self.actor, self.data.source, self.step, {}, engine=self.engine,
+                extra = self.reward_stage.checkpoint_extra()  # reward=mix's running statistics
+                save_checkpoint(ckpt, self.actor, self.data.source, self.step, extra, engine=self.engine,
                                 keep=t.keep_checkpoints, scores=self._scores if t.keep_best else None, say=self.say)
             if collective:
                 self.engine.barrier()

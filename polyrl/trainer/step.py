@@ -21,11 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from ..algorithms import compute_advantages
-from ..algorithms.advantage import zero_std_ratio
+from ..algorithms.advantage import advantage_parts, part_metrics, zero_std_ratio
 from ..batch import Rollout
 from ..data.prompts import split_row
 from ..perf.timer import StageTimer
 from ..rewards.base import is_caption_key
+from ..rewards.mix import reward_terms
 from ..rewards.stage import merge_extras
 from ..sampling.base import UPDATE_STREAM, repeat_rows, step_generator
 
@@ -83,12 +84,20 @@ class KeptGroups:
         self.batches: list[Rollout] = []
         self.rewards: list[torch.Tensor] = []
         self.positions: list[torch.Tensor] = []
+        self.terms: list[torch.Tensor] | None = []  # reward=mix's terms of the kept samples (None: not every rollout)
+        self.labels: list[str] | None = None
         self.count = 0
 
     def add(self, batch: Rollout, rewards: torch.Tensor, group_ids: torch.Tensor, mine: slice,
-            keep: torch.Tensor) -> None:
+            keep: torch.Tensor, terms: tuple[list[str], torch.Tensor] | None = None) -> None:
+        """`terms`: (labels, every rank's (B, C) terms of the reward), reward=mix's."""
         self.count += int(keep.sum())
         keep_samples = keep[group_ids]
+        if terms is None or self.terms is None or (self.labels is not None and terms[0] != self.labels):
+            self.terms = None
+        else:
+            self.labels = terms[0]
+            self.terms.append(terms[1][keep_samples])
         before = sum(len(r) for r in self.rewards)
         if bool(keep.all()):  # nothing dropped: no copy of the batch
             local = torch.arange(len(batch))
@@ -98,6 +107,15 @@ class KeptGroups:
             self.batches.append(batch.select(local))
         self.positions.append(before + keep_samples.long().cumsum(0)[mine][local] - 1)
         self.rewards.append(rewards[keep_samples])
+
+    def advantage_parts(self, algo, n: int) -> dict[str, float]:
+        """Each reward=mix component's part of the step's advantages (algorithms/advantage.py `advantage_parts`)."""
+        if not self.terms or self.labels is None:
+            return {}
+        rewards = torch.cat(self.rewards)
+        group_ids = torch.arange(len(rewards) // n).repeat_interleave(n)
+        parts = advantage_parts(torch.cat(self.terms), rewards, group_ids, getattr(algo, "adv_std", "global"))
+        return part_metrics(self.labels, parts)
 
     def training_batch(self, algo, n: int) -> tuple[Rollout, torch.Tensor]:
         """(this rank's batch with its advantages and renumbered group ids, every kept sample's advantage)."""
@@ -145,11 +163,14 @@ def train_step(stages: Stages, cfg, step: int) -> dict:
             raw_rewards.append(engine.gather(batch.rewards))  # the step's rewards, in global sample order
             batch.rewards = algo.shape_rewards(batch)
             rewards = engine.gather(batch.rewards)
+            terms = reward_terms(batch.reward_extras or {}, len(batch))  # reward=mix: each component's term
             kept.add(batch, rewards, group_ids, mine, groups_to_keep(rewards, group_ids, k - kept.count,
-                                                                     algo.dynamic_sampling))
+                                                                     algo.dynamic_sampling),
+                     None if terms is None else (terms[0], engine.gather(terms[1])))
             if kept.count >= k:
                 break
         batch, advantages = kept.training_batch(algo, n)
+        parts = kept.advantage_parts(algo, n)
 
         def peek(ahead: int) -> tuple[list, list[dict]]:  # the rows `ahead` steps on, the data position kept
             before = s.source.state_dict()
@@ -166,6 +187,7 @@ def train_step(stages: Stages, cfg, step: int) -> dict:
         if s.sync is not None:
             with timer("weight_sync"):
                 stats.update(s.sync())
+        s.reward_stage.end_step()  # the step trained: reward=mix's running statistics take its scores
     raw = torch.cat(raw_rewards)
     first_groups = torch.arange(len(raw_rewards[0]) // n).repeat_interleave(n)
     metrics = {
@@ -178,6 +200,7 @@ def train_step(stages: Stages, cfg, step: int) -> dict:
         **stats,
         "lr": s.actor.optimizer.param_groups[0]["lr"],
         **timings(stages, cfg, timer, flops_before),
+        **parts,
     }
     if algo.dynamic_sampling:
         name = cfg.algorithm.name
