@@ -210,3 +210,26 @@ def test_group_minibatches_hold_whole_groups_once():
     parts = group_micro_batches(mbs[0], ids, 4)
     assert all(len(p) in (2, 4) for p in parts) and sum(len(p) for p in parts) == len(mbs[0])
     assert group_micro_batches(mbs[0], ids, 1)[0].tolist() == mbs[0][:2].tolist()  # a group is never split
+
+
+def ref_discrete_wo_init(sigmas, lo, hi, k, terms, u):
+    """Flow-Factory `TimeSampler.discrete(include_init=False)` (its `discrete_wo_init`, 3fe9f76): the stratified
+    span starts one index after the first grid step inside the range."""
+    ts = 1000.0 * np.asarray(sigmas[:-1], np.float64)
+    t_min, t_max = 1000.0 * (1 - hi), 1000.0 * (1 - lo)
+    valid = np.nonzero((ts >= t_min - 1e-3) & (ts <= t_max + 1e-3))[0]
+    b = np.linspace(valid.min() + 1, valid.max(), terms + 1)
+    lower, upper = int(b[k]), int(b[k + 1])
+    return ts[lower + int(u * (upper - lower))] / 1000.0
+
+
+def test_discrete_without_init_matches_flow_factory_sampler():
+    shift = 3.0
+    raw = np.linspace(1, 0, 15)[:-1]
+    grid = np.append(shift * raw / (1 + (shift - 1) * raw), 0.0)  # a shifted 14-step grid (Flow-Factory's AWM recipe)
+    for lo, hi, terms in ((0.0, 0.9, 6), (0.0, 0.6, 4), (0.2, 0.9, 3)):
+        for k in range(terms):
+            for u in (0.0, 0.3, 0.71, 0.999):
+                got = discrete_sigma(torch.tensor(grid, dtype=torch.float32), lo, hi, k, terms, u, include_init=False)
+                want = ref_discrete_wo_init(grid.astype(np.float32), lo, hi, k, terms, u)
+                assert got == pytest.approx(want, rel=1e-6) and got < 1.0

@@ -72,3 +72,60 @@ def test_sd35_nft_pickscore_and_its_documented_overrides_are_their_configs(name,
     cfg = load_config(["recipe=sd35_nft_pickscore", "model.path=/x", "data.path=/y.txt", *extra, *overrides])
     _nft_matches(cfg, their_nft_config(name))
     assert cfg.reward.name == reward
+
+
+# X-GenGroup/Flow-Factory @ b30dc004982c6b5ce58d79e2163dfc995575aa03, the keys of examples/dgpo/lora/sd3_5/default.yaml
+# and examples/awm/lora/sd3_5/default.yaml that polyrl maps (transcribed; a scalar clip range is symmetric, a float
+# timestep range is [0, value], as its hparams/training_args/_base.py reads them)
+FLOW_FACTORY = {
+    "sd35_dgpo": {"model": {"lora_rank": 64, "lora_alpha": 128, "mixed_precision": "bf16"},
+                  "train": {"dpo_beta": 10, "use_shared_noise": True, "clip_dsm": True, "clip_kl": False,
+                            "use_ema_ref": False, "ema_ref_max_decay": 0.3, "ema_ref_ramp_rate": 0.001,
+                            "num_train_timesteps": 4, "time_sampling_strategy": "discrete", "timestep_range": 0.6,
+                            "kl_beta": 0.001, "clip_range": 5.0e-2, "adv_clip_range": 5.0, "resolution": 512,
+                            "num_inference_steps": 10, "guidance_scale": 4.5, "per_device_batch_size": 12,
+                            "group_size": 24, "global_std": True, "unique_sample_num_per_epoch": 24,
+                            "gradient_step_per_epoch": 1, "seed": 42, "dynamics_type": "ODE"},
+                  "eval_freq": 60, "save_freq": 60},
+    "sd35_awm": {"model": {"lora_rank": 32, "lora_alpha": 64, "mixed_precision": "bf16"},
+                 "train": {"off_policy": False, "awm_weighting": "ghuber", "ghuber_power": 0.25,
+                           "num_train_timesteps": 6, "time_sampling_strategy": "discrete_wo_init",
+                           "timestep_range": 0.9, "clip_range": 1, "adv_clip_range": 1.0, "kl_beta": 0.0001,
+                           "resolution": 512, "num_inference_steps": 14, "guidance_scale": 1.0,
+                           "per_device_batch_size": 8, "group_size": 16, "global_std": True,
+                           "unique_sample_num_per_epoch": 48, "gradient_step_per_epoch": 1, "seed": 42,
+                           "dynamics_type": "ODE"},
+                 "eval_freq": 20, "save_freq": 20},
+}
+OPTIMIZER = {"learning_rate": 3.0e-4, "weight_decay": 1.0e-4, "betas": [0.9, 0.999], "eps": 1.0e-8, "max_grad_norm": 1.0}
+
+
+@pytest.mark.parametrize("recipe", sorted(FLOW_FACTORY))
+def test_dgpo_and_awm_recipes_are_flow_factorys(recipe):
+    theirs = FLOW_FACTORY[recipe]
+    m, tr = theirs["model"], theirs["train"]
+    cfg = load_config([f"recipe={recipe}", "model.path=/x", "data.path=/y.txt", "reward.path=/z"])
+    a, r, act = cfg.algorithm, cfg.rollout, cfg.actor
+    assert cfg.model.name == "sd3" and cfg.model.dtype == "bfloat16" and cfg.reward.name == "pickscore"
+    assert (act.lora_rank, act.lora_alpha, act.lora_targets) == (m["lora_rank"], m["lora_alpha"], None)
+    assert (act.lr, act.weight_decay, list(act.betas), act.eps, act.grad_clip) == tuple(OPTIMIZER.values())
+    assert (r.height, r.width, r.num_steps, r.guidance_scale, r.n) == (
+        tr["resolution"], tr["resolution"], tr["num_inference_steps"], tr["guidance_scale"], tr["group_size"])
+    assert r.noise_level == 0 and tr["dynamics_type"] == "ODE" and r.batch_size == tr["per_device_batch_size"]
+    assert cfg.data.prompts_per_step == tr["unique_sample_num_per_epoch"]
+    assert act.num_minibatches == tr["gradient_step_per_epoch"]
+    assert a.num_timesteps == tr["num_train_timesteps"] and a.time_sampling == tr["time_sampling_strategy"]
+    assert list(a.timestep_range) == [0.0, tr["timestep_range"]]
+    assert list(a.clip_range) == [-tr["clip_range"], tr["clip_range"]] and a.adv_clip_max == tr["adv_clip_range"]
+    assert a.kl_beta == tr["kl_beta"] and a.adv_std == ("global" if tr["global_std"] else "group")
+    assert (cfg.trainer.seed, cfg.trainer.eval_every, cfg.trainer.save_every) == (
+        tr["seed"], theirs["eval_freq"], theirs["save_freq"])
+    if recipe == "sd35_dgpo":
+        assert a.name == "dgpo" and a.beta == tr["dpo_beta"] and a.shared_noise == tr["use_shared_noise"]
+        assert (a.clip_dsm, a.clip_kl, a.use_ema_ref) == (tr["clip_dsm"], tr["clip_kl"], tr["use_ema_ref"])
+        assert (a.ema_max_decay, a.ema_ramp_rate) == (tr["ema_ref_max_decay"], tr["ema_ref_ramp_rate"])
+        assert act.micro_batch_size % r.n == 0  # whole groups per micro-batch (polyrl's DGPO)
+    else:
+        assert a.name == "awm" and a.off_policy == tr["off_policy"]
+        assert (a.weighting, a.ghuber_power) == (tr["awm_weighting"], tr["ghuber_power"])
+        assert act.micro_batch_size == tr["per_device_batch_size"]

@@ -15,19 +15,24 @@ from ..draws import UpdateDraws
 from ..latents import Latents, for_entry, per_sample
 from .base import latent_shapes, sample_index
 
-TIME_SAMPLINGS = ("discrete", "uniform")
+TIME_SAMPLINGS = ("discrete", "discrete_wo_init", "uniform")
 
 
-def discrete_sigma(grid: torch.Tensor, lo: float, hi: float, k: int, terms: int, u: float) -> float:
+def discrete_sigma(grid: torch.Tensor, lo: float, hi: float, k: int, terms: int, u: float,
+                   include_init: bool = True) -> float:
     """Flow-Factory's `discrete` strategy: the grid's step sigmas σ_0 … σ_{N−1} (σ_N = 0 excluded) with
     1 − hi ≤ σ_i ≤ 1 − lo span indices [i_min, i_max]; b = linspace(i_min, i_max, T + 1) truncated to integers;
-    term k takes index b_k + ⌊u·(b_{k+1} − b_k)⌋ (u ~ U[0, 1)), i.e. stratified over the span."""
+    term k takes index b_k + ⌊u·(b_{k+1} − b_k)⌋ (u ~ U[0, 1)), i.e. stratified over the span. Without
+    `include_init` (its `discrete_wo_init`, `TimeSampler.discrete(include_init=False)`) the span starts at
+    i_min + 1: the noisiest step of the range is never trained."""
     sig = grid[:-1].double()
     valid = torch.nonzero((sig >= 1 - hi - 1e-6) & (sig <= 1 - lo + 1e-6)).flatten()
-    if len(valid) == 0:
-        raise ValueError(f"algorithm.timestep_range=[{lo}, {hi}] holds no step of the {len(sig)}-step grid "
-                         f"(sigmas {[round(float(s), 3) for s in sig]})")
-    bounds = torch.linspace(int(valid.min()), int(valid.max()), terms + 1, dtype=torch.float64).long()
+    if len(valid) == 0 or (not include_init and len(valid) < 2):
+        raise ValueError(f"algorithm.timestep_range=[{lo}, {hi}] holds {'no' if len(valid) == 0 else 'one'} step of "
+                         f"the {len(sig)}-step grid (sigmas {[round(float(s), 3) for s in sig]})"
+                         + ("" if len(valid) == 0 else ", which time_sampling=discrete_wo_init leaves out"))
+    start = int(valid.min()) + (0 if include_init else 1)
+    bounds = torch.linspace(start, int(valid.max()), terms + 1, dtype=torch.float64).long()
     lower, upper = int(bounds[k]), int(bounds[k + 1])
     return float(sig[lower + int(u * (upper - lower))])
 
@@ -39,8 +44,8 @@ def uniform_sigma(lo: float, hi: float, k: int, terms: int, u: float) -> float:
 
 def train_sigma(strategy: str, grid: torch.Tensor, lo: float, hi: float, k: int, terms: int, u: float) -> float:
     """σ of loss term k from a uniform draw u ∈ [0, 1): the strategy's stratum."""
-    if strategy == "discrete":
-        return discrete_sigma(grid, lo, hi, k, terms, u)
+    if strategy in ("discrete", "discrete_wo_init"):
+        return discrete_sigma(grid, lo, hi, k, terms, u, include_init=strategy == "discrete")
     if strategy == "uniform":
         return uniform_sigma(lo, hi, k, terms, u)
     raise ValueError(f"algorithm.time_sampling={strategy!r}; allowed: {', '.join(TIME_SAMPLINGS)}")
