@@ -1,7 +1,8 @@
 """`reward.backend=openai` against a real server: `transformers serve` (a process of its own, on the CPU) serving a
 tiny scripted Qwen2.5-VL judge (tests/tiny_judges.py) that answers "3" to a question about a square, "8" about a
-triangle, "5" about squares and "ranking:2,1" when asked to rank; a fault-injecting proxy in front of it for the
-API key, 429s, slow answers and the server killed mid-run (tests/judge_servers.py)."""
+triangle, "5" about squares, "ranking:2,1" when asked to rank, and UnifiedReward's answers for the
+`unified_reward` adapter; a fault-injecting proxy in front of it for the API key, 429s, slow answers and the server
+killed mid-run (tests/judge_servers.py)."""
 
 import base64
 import io
@@ -23,10 +24,16 @@ from polyrl.rewards.judge_backend import backoff_delay
 from polyrl.rewards.stage import RewardUnavailable
 
 ANSWERS = {"square": "3", "triangle": "8", "squares": "5"}  # the question's word -> the judge's answer
-LOOKUP = {**ANSWERS, "rank": "ranking"}
-SCRIPT = {"3": "<eos>", "8": "<eos>", "5": "<eos>", "ranking": ":", ":": "2", "2": ",", ",": "1", "1": "<eos>"}
+# unified_reward: "hexagon" -> "Final Score: 4"; "star" -> a Think answer preferring the second image; "oval" -> a
+# verdict outside <answer> tags (a tie by upstream's rule)
+PHRASES = ["Final Score: 4", "<think>", "</think>", "<answer>", "</answer>", "Image 1 is better", "Image 2 is better"]
+LOOKUP = {**ANSWERS, "rank": "ranking", "hexagon": "Final Score: 4", "star": "<think>", "oval": "Image 1 is better"}
+SCRIPT = {"3": "<eos>", "8": "<eos>", "5": "<eos>", "ranking": ":", ":": "2", "2": ",", ",": "1", "1": "<eos>",
+          "Final Score: 4": "<eos>", "<think>": "</think>", "</think>": "<answer>", "<answer>": "Image 2 is better",
+          "Image 2 is better": "</answer>", "</answer>": "<eos>", "Image 1 is better": "<eos>"}
 WORDS = sorted({w for p in SHAPE_PROMPTS for w in p.split()} | {"rate", "the", "image", "rank", "these", "ranking",
-                                                                "3", "8", "5", "2", "1", ":", ","})
+                                                                "3", "8", "5", "2", "1", ":", ",", "hexagon", "star",
+                                                                "oval"})
 JUDGE = {"name": "vlm_judge", "template": "rate the image {prompt}", "pattern": r"(\d+)", "score_range": [0, 10],
          "group_template": "rank these {prompt}"}
 KEY = "sk-polyrl-test-7f3a9c"
@@ -39,7 +46,7 @@ def expected(prompt: str) -> float:
 
 @pytest.fixture(scope="module")
 def judge_dir(tmp_path_factory):
-    return save_tiny_qwen_judge(tmp_path_factory.mktemp("qwen_judge"), WORDS, LOOKUP, SCRIPT)
+    return save_tiny_qwen_judge(tmp_path_factory.mktemp("qwen_judge"), WORDS, LOOKUP, SCRIPT, phrases=PHRASES)
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +225,90 @@ def test_polyrl_eval_scores_with_the_served_judge(served, tiny_sd3_dir, shape_pr
     assert len(records) == 4
     for r in records:
         assert r["scores"]["vlm_judge"] == pytest.approx([expected(r["prompt"])] * 2)
+
+
+# ----------------------------------------------------------------------------------------------- unified_reward
+# sha256 of the upstream prompt strings, computed from the authors' sources: flow_grpo rewards.py
+# unifiedreward_score_sglang's question with {prompt} left in (yifan123/flow_grpo @ ac4c86e) and Pref-GRPO's
+# get_unifiedreward_think_image_template() (CodeGoat24/Pref-GRPO @ 3e787f6)
+SCORE_TEMPLATE_SHA256 = "d68ab1dcf4dc3a39ec5dfab963d17fe30a6e5f713eb49f743ed88a4c8ce4317f"
+THINK_TEMPLATE_SHA256 = "a8a0d80818246406b783d5cca630336c5fdf1264fef13f09d09bd94d61a139d5"
+
+
+def _upstream_win_rate(n, pairs, outputs):
+    """A transcription of Pref-GRPO's `_extract_answer` + `_pairwise_win_rate` (unifiedreward_think.py): the first
+    <answer> block, "Image 1 is better" / "Image 2 is better" by containment, anything else half a win each."""
+    import re as _re
+    from collections import defaultdict
+
+    win, count = defaultdict(int), defaultdict(int)
+    for (i, j), text in zip(pairs, outputs, strict=True):
+        count[i] += 1
+        count[j] += 1
+        m = _re.search(r"<answer>(.*?)</answer>", text, _re.DOTALL)
+        final = m.group(1).strip() if m else None
+        if final and "Image 1 is better" in final:
+            win[i] += 1
+        elif final and "Image 2 is better" in final:
+            win[j] += 1
+        else:
+            win[i] += 0.5
+            win[j] += 0.5
+    return [round(win[k] / count[k], 3) if count[k] > 0 else 0.0 for k in range(n)]
+
+
+def test_unified_reward_prompts_and_parse_are_upstreams():
+    import hashlib
+    import itertools
+    import random
+
+    from polyrl.rewards.unified_reward import (
+        SCORE_PATTERN,
+        SCORE_TEMPLATE,
+        THINK_PAIR_TEMPLATE,
+        pair_verdict,
+        win_rates,
+    )
+    from polyrl.rewards.vlm_judge import parse_score
+
+    assert hashlib.sha256(SCORE_TEMPLATE.encode()).hexdigest() == SCORE_TEMPLATE_SHA256
+    assert hashlib.sha256(THINK_PAIR_TEMPLATE.encode()).hexdigest() == THINK_TEMPLATE_SHA256
+    pieces = ["<think>x</think>", "<answer>Image 1 is better</answer>", "<answer>Image 2 is better</answer>",
+              "<answer> Image 2 is better. </answer>", "<answer>Both images are equally good</answer>",
+              "<answer>Image 1 is better and Image 2 is better</answer>", "Image 1 is better", "<answer>", "\n"]
+    rng = random.Random(0)
+    for n in (2, 3, 5):
+        pairs = list(itertools.combinations(range(n), 2))
+        for _ in range(40):
+            outputs = ["".join(rng.choices(pieces, k=rng.randint(0, 3))) for _ in pairs]
+            ours = win_rates(n, pairs, [pair_verdict(o) for o in outputs], [False] * len(pairs))
+            assert ours == _upstream_win_rate(n, pairs, outputs), outputs
+    # flow_grpo's _extract_scores: the first "Final Score: v" (v in 1-5), divided by 5; no match is our
+    # on_unparseable (flow_grpo: 0.0)
+    for text, v in [("Final Score: 4", 0.8), ("reasoning... Final Score:3.5 then Final Score: 1", 0.7),
+                    ("Final Score: 7", None), ("final score: 4", None)]:
+        got = parse_score(text, SCORE_PATTERN, (0, 5))
+        assert got == (pytest.approx(v) if v is not None else None)
+
+
+def test_unified_reward_local_and_served(judge_dir, served):
+    """variant=score and variant=think_pair on the tiny Qwen2.5-VL judge, locally and through transformers serve
+    (which moves the <think> block into reasoning_content; the verdict in content is parsed the same)."""
+    common = {"name": "unified_reward", "dtype": "float32", "device": "cpu"}
+    for backend in ({"path": str(judge_dir), "trust_remote_code": True},
+                    {"backend": "openai", "url": served.url}):
+        score = build_reward({**common, **backend, "max_new_tokens": 8})
+        out = score(_images(2), ["a red hexagon", "a blue hexagon"], None)
+        assert score.last_answers == ["Final Score: 4"] * 2 and out.scores.tolist() == pytest.approx([0.8, 0.8])
+        pair = build_reward({**common, **backend, "variant": "think_pair", "max_new_tokens": 8})
+        prompts = ["a green star"] * 3 + ["a red oval"] * 2
+        out = call_reward(pair, _images(5), prompts, [{}] * 5, group_ids=torch.tensor([0, 0, 0, 1, 1]))
+        # every star pair prefers its second image: wins 0, 1, 2 of 2; the oval pair has no <answer>: a tie
+        assert out.scores.tolist() == pytest.approx([0.0, 0.5, 1.0, 0.5, 0.5])
+        assert out.extras["unified_reward/unparseable"] == [0.0, 0.0, 0.0, 1.0, 1.0]
+        assert len(pair.last_answers) == 3 + 1 and pair.last_answers[-1] == "Image 1 is better"
+        assert all(a.endswith("<answer>Image 2 is better</answer>") for a in pair.last_answers[:3])
+        excluded = build_reward({**common, **backend, "variant": "think_pair", "max_new_tokens": 8,
+                                 "on_unparseable": "exclude"})
+        out = call_reward(excluded, _images(2), ["a red oval"] * 2, [{}] * 2, group_ids=torch.tensor([0, 0]))
+        assert out.scores.tolist() == [0.5, 0.5]  # no comparison left: 0.5

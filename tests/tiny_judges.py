@@ -45,11 +45,12 @@ class ImageQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
 '''
 
 
-def judge_tokenizer(words: list[str]):
+def judge_tokenizer(words: list[str], phrases: list[str] = ()):
     """A lower-cased word-level tokenizer whose decode gives back the text exactly (as a byte-level one does, and as
     transformers serve's answer parser needs, which finds the assistant header in the decoded prompt): every word,
-    punctuation run, space and newline is a token, and decoding concatenates them."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    punctuation run, space and newline is a token, and decoding concatenates them. `phrases` are single tokens as
+    written (case and spaces kept: "Final Score: 4", "<answer>"), so a scripted judge can say them in one step."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate([*QWEN_VL_SPECIALS, "\n", " "])}
@@ -60,20 +61,21 @@ def judge_tokenizer(words: list[str]):
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]+|\s"), behavior="removed", invert=True)
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(QWEN_VL_SPECIALS)
+    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in phrases])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", unk_token="<unk>",
                                    clean_up_tokenization_spaces=False, model_max_length=2048)
 
 
 def save_tiny_qwen_judge(path, words: list[str], lookup: dict[str, str] | None = None,
                          script: dict[str, str] | None = None, seed: int = 0, template: str = JUDGE_TEMPLATE,
-                         model_class=None, config_extra: dict | None = None) -> Path:
+                         model_class=None, config_extra: dict | None = None, phrases: list[str] = ()) -> Path:
     """A random-weight Qwen2.5-VL judge (or `model_class` of its config) saved in `path`; with `lookup` (a word of
     the question -> the answer's first token) and `script` (a token -> the next one, "<eos>" for the end) a
     scripted one (module docstring)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
     path = Path(path)
-    tok = judge_tokenizer(words)
+    tok = judge_tokenizer(words, phrases)
     tok.chat_template = template
     vocab = tok.get_vocab()
     ids = {f"{n}_token_id": vocab[f"<|{t}|>"] for n, t in (

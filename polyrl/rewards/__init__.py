@@ -18,6 +18,7 @@ from . import (  # noqa: F401  (register the built-in scorers)
     shapes,
     speech,
     temporal_consistency,
+    unified_reward,
     vlm_judge,
 )
 from .base import (
