@@ -137,6 +137,23 @@ def test_grid_draw_loss_and_gradient_equal_the_authors(num_steps, beta, ref):
         assert (1.0 in row.tolist()) == (int(p[-1]) != 0)
 
 
+def test_flow_factory_discrete_draw_is_one_grid_sigma_per_term():
+    """`time_sampling=discrete` (Flow-Factory's NFT recipes): every sample of the update trains term k at the σ its
+    TimeSampler.discrete gives for the term's shared draw (forward_process.discrete_sigma, held to Flow-Factory's
+    sampler in tests/test_dgpo_awm.py)."""
+    from polyrl.algorithms.forward_process import discrete_sigma
+
+    grid = sd3_grid(12).float()
+    algo = DiffusionNFT(time_sampling="discrete", num_timesteps=4, timestep_range=(0.0, 0.9))
+    policy = _Policy(grid, 9, None, None, None)
+    batch = _batch(torch.zeros(5, 1, 2, 2, dtype=F64), torch.zeros(5, dtype=F64), torch.arange(5))
+    assert algo.num_terms_on(batch, policy) == 4
+    for k in range(4):
+        u = policy.draws.shared_uniform("forward_process/sigma", k)
+        t = algo.train_time(policy, batch, k)
+        assert torch.equal(t, torch.full((5,), discrete_sigma(grid, 0.0, 0.9, k, 4, u), dtype=t.dtype))
+
+
 def test_grid_draw_is_keyed_by_the_global_sample_not_the_split():
     """Two halves of a batch (two ranks, or two micro-batches) train each sample on the timesteps it gets in one."""
     grid = sd3_grid(10)
@@ -396,7 +413,7 @@ def test_config_takes_the_options_and_refuses_what_does_not_fit():
         load_config(["algorithm=diffusion_nft", "rollout.step=dpm2", "rollout.noise_level=0.7"])
     with pytest.raises(ConfigError, match="actor.eval_ema_decay=1.0 must be in"):
         load_config(["actor.eval_ema_decay=1.0"])
-    for key, value, allowed in (("time_sampling", "discrete", "uniform, grid"),
+    for key, value, allowed in (("time_sampling", "logit_normal", "uniform, grid, discrete, discrete_wo_init"),
                                 ("decay_clock", "epoch", "update, optimizer_step")):
         with pytest.raises(ConfigError, match=f"algorithm.{key}='{value}'; allowed: {allowed}"):
             load_config([f"algorithm.{key}={value}"])

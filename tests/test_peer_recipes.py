@@ -129,3 +129,44 @@ def test_dgpo_and_awm_recipes_are_flow_factorys(recipe):
         assert a.name == "awm" and a.off_policy == tr["off_policy"]
         assert (a.weighting, a.ghuber_power) == (tr["awm_weighting"], tr["ghuber_power"])
         assert act.micro_batch_size == tr["per_device_batch_size"]
+
+
+# Flow-Factory @ b30dc00's DiffusionNFT configs (examples/nft/lora/flux1/default.yaml, wan21/t2v.yaml,
+# qwen_image/rational_rewards_t2i.yaml), the keys polyrl maps; every one: piecewise_linear EMA flat_steps 0,
+# ramp_rate 0.001, ema_decay 0.5 stepped at the epoch count (our `update` clock), ODE, off_policy, kl_beta 0, seed 42
+FLOW_FACTORY_NFT = {
+    "flux_nft": {"model": "flux", "lora": (64, 128), "nft_beta": 1, "num_train_timesteps": 2, "timestep_range": 0.7,
+                 "resolution": (384, 384), "num_frames": 0, "num_inference_steps": 8, "guidance_scale": 1.0,
+                 "per_device_batch_size": 1, "group_size": 16, "unique_sample_num_per_epoch": 48,
+                 "learning_rate": 3.0e-4, "eval_freq": 20, "save_freq": 20},
+    "wan21_nft": {"model": "wan", "lora": (128, 128), "nft_beta": 0.1, "num_train_timesteps": 4,
+                  "timestep_range": 0.9, "resolution": (480, 832), "num_frames": 1, "num_inference_steps": 12,
+                  "guidance_scale": 1.0, "per_device_batch_size": 1, "group_size": 16,
+                  "unique_sample_num_per_epoch": 48, "learning_rate": 1.0e-4, "eval_freq": 20, "save_freq": 20},
+    "qwen_image_nft": {"model": "qwen_image", "lora": (64, 128), "nft_beta": 1.0, "num_train_timesteps": 10,
+                       "timestep_range": 0.5, "resolution": (512, 512), "num_frames": 0, "num_inference_steps": 30,
+                       "guidance_scale": 1.0, "per_device_batch_size": 1, "group_size": 16,
+                       "unique_sample_num_per_epoch": 32, "learning_rate": 2.0e-4, "eval_freq": 10, "save_freq": 20},
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(FLOW_FACTORY_NFT))
+def test_flow_factory_nft_recipes(recipe):
+    theirs = FLOW_FACTORY_NFT[recipe]
+    cfg = load_config([f"recipe={recipe}", "model.path=/x", "data.path=/y.txt", "reward.path=/z"])
+    a, r, act = cfg.algorithm, cfg.rollout, cfg.actor
+    assert cfg.model.name == theirs["model"] and cfg.model.dtype == "bfloat16" and a.name == "diffusion_nft"
+    assert (act.lora_rank, act.lora_alpha, act.lora_targets) == (*theirs["lora"], None)
+    assert a.mix_beta == theirs["nft_beta"] and a.adv_clip_max == 5.0 and a.adv_std == "group" and a.ref_coef == 0
+    assert a.time_sampling == "discrete" and a.num_timesteps == theirs["num_train_timesteps"]
+    assert list(a.timestep_range) == [0.0, theirs["timestep_range"]]
+    assert (a.decay_clock, a.decay, a.decay_start, a.decay_slope, a.decay_max) == ("update", 0.0, 0, 0.001, 0.5)
+    assert (r.height, r.width, r.num_frames, r.num_steps, r.guidance_scale, r.n, r.noise_level) == (
+        *theirs["resolution"], theirs["num_frames"], theirs["num_inference_steps"], theirs["guidance_scale"],
+        theirs["group_size"], 0.0)
+    assert r.batch_size == act.micro_batch_size == theirs["per_device_batch_size"] and act.num_minibatches == 1
+    assert cfg.data.prompts_per_step == theirs["unique_sample_num_per_epoch"]
+    assert (act.lr, act.weight_decay, list(act.betas), act.eps, act.grad_clip) == (
+        theirs["learning_rate"], *list(OPTIMIZER.values())[1:])
+    assert (cfg.trainer.seed, cfg.trainer.eval_every, cfg.trainer.save_every) == (
+        42, theirs["eval_freq"], theirs["save_freq"])

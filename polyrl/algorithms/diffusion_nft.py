@@ -19,6 +19,7 @@ import torch
 from ..batch import Rollout
 from ..latents import entries, for_entry, per_sample, sample_mean
 from .base import AlgorithmBase, PolicyEvaluator, latent_shapes, register_algorithm, sample_index, weighted_mean
+from .forward_process import term_time
 
 
 def nft_loss(v_theta, v_old, x_t, x0, t, advantages, adv_clip: float, mix_beta: float) -> tuple[torch.Tensor, dict]:
@@ -49,7 +50,7 @@ def old_decay(update: int, decay: float, slope: float, start: int, max_decay: fl
     return min(max(decay + slope * max(update - start, 0), 0.0), max_decay)
 
 
-TIME_SAMPLINGS = ("uniform", "grid")
+TIME_SAMPLINGS = ("uniform", "grid", "discrete", "discrete_wo_init")  # the last two: Flow-Factory's (forward_process.py)
 DECAY_CLOCKS = ("update", "optimizer_step")
 
 
@@ -84,6 +85,9 @@ class DiffusionNFT(AlgorithmBase):
             raise ValueError(f"algorithm.mix_beta={mix_beta} must be in (0, 1]")
         if time_sampling not in TIME_SAMPLINGS:
             raise ValueError(f"algorithm.time_sampling={time_sampling!r}; allowed: {', '.join(TIME_SAMPLINGS)}")
+        lo, hi = self.timestep_range
+        if not 0 <= lo < hi <= 1:
+            raise ValueError(f"algorithm.timestep_range={list(timestep_range)} must be [lo, hi] with 0 <= lo < hi <= 1")
         if not 0 < grid_fraction <= 1:
             raise ValueError(f"algorithm.grid_fraction={grid_fraction} must be in (0, 1]")
         if decay_clock not in DECAY_CLOCKS:
@@ -115,13 +119,17 @@ class DiffusionNFT(AlgorithmBase):
 
     def train_time(self, policy: PolicyEvaluator, batch: Rollout, term: int) -> torch.Tensor:
         """t (B,) of loss term `term` on the CPU, keyed by (update, sample, term) (§7): uniform in
-        `timestep_range`, or the grid draw (`grid_time`, one permutation per sample for all its terms)."""
+        `timestep_range`, or the grid draw (`grid_time`, one permutation per sample for all its terms), or Flow-Factory's
+        `discrete` / `discrete_wo_init` (forward_process.py: one σ of the grid per term and update, stratified over
+        the steps whose σ lies in [1 − hi, 1 − lo], `timestep_range` read as fractions of the way from noise)."""
         index = sample_index(batch)
         if self.time_sampling == "grid":
             grid = policy.sigma_grid().cpu()
             perm = policy.draws.permutation("nft/grid", index, len(grid) - 1)
             return grid_time(grid, perm, term)
         lo, hi = self.timestep_range
+        if self.time_sampling != "uniform":  # Flow-Factory's: one σ per term for the update, range as fractions
+            return term_time(self.time_sampling, lo, hi, term, self.num_timesteps, policy, batch).cpu()
         return lo + (hi - lo) * policy.draws.uniform("nft/t", index, term)
 
     def step_loss(self, policy: PolicyEvaluator, batch: Rollout, term: int) -> tuple[torch.Tensor, dict]:
