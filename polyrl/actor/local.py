@@ -49,7 +49,7 @@ def add_lora(network: torch.nn.Module, rank: int, alpha: float, targets: list[st
 
     network.requires_grad_(False)
     config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets)
-    if is_transformers_model(network):
+    if is_transformers_model(network) or not hasattr(network, "add_adapter"):
         # transformers' own add_adapter wants a newer peft than diffusers' does: inject the LoRA layers directly
         from peft import inject_adapter_in_model
 
@@ -73,11 +73,16 @@ def set_adapters_enabled(network: torch.nn.Module, enabled: bool) -> None:
         network.disable_adapters()
 
 
-def load_teacher(path: str | Path, base: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Module]:
-    """Frozen teacher networks: a polyrl checkpoint (the base networks + its trained weights) or a diffusers
-    directory (each network from its subfolder, e.g. `transformer/`)."""
+def load_teacher(path: str | Path, base: dict[str, torch.nn.Module], adapter=None) -> dict[str, torch.nn.Module]:
+    """Frozen teacher networks: a polyrl checkpoint (the base networks + its trained weights), a model directory the
+    adapter loads itself (`load_networks(path)`, e.g. a whole Qwen3-Omni checkpoint), or a diffusers directory (each
+    network from its subfolder, e.g. `transformer/`)."""
     path = Path(path)
-    if (path / "weights.json").is_file():
+    own = getattr(adapter, "load_networks", None)
+    if not (path / "weights.json").is_file() and own is not None:
+        loaded = own(path)
+        teacher = {k: loaded[k] for k in base}
+    elif (path / "weights.json").is_file():
         holder = SimpleNamespace(networks={k: copy.deepcopy(v) for k, v in base.items()})
         holder.modules = lambda: holder.networks
         load_trained_weights(holder, path)
@@ -100,6 +105,19 @@ def teacher_paths(algo) -> list[str]:
     if paths:
         return list(paths)
     return [algo.teacher_path] if algo.teacher_path else []
+
+
+def train_module_names(cfg, networks: dict[str, torch.nn.Module]) -> list[str]:
+    """The networks the actor trains: `actor.train_modules` (in the model's order), or every network of the model
+    when it is unset; an unknown name is a UserError naming the model's networks."""
+    names = list(getattr(cfg, "train_modules", None) or [])
+    if not names:
+        return list(networks)
+    unknown = [n for n in names if n not in networks]
+    if unknown:
+        raise UserError(f"actor.train_modules: {unknown[0]!r} is not a network of this model; allowed: "
+                        f"{', '.join(networks)}")
+    return [n for n in networks if n in names]
 
 
 def correction_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, cap: float,
@@ -221,18 +239,27 @@ class LocalActor:
         if getattr(algo, "whole_groups", False) and self.engine.dp_size > 1:
             raise UserError(f"algorithm={type(algo).__name__} needs every prompt group's samples in one micro-batch and "
                             f"runs on one data-parallel rank; this run has {self.engine.dp_size}")
-        networks = adapter.modules()
+        # the networks this actor trains (actor.train_modules); the model's others stay frozen, as they were loaded
+        self.train_names = train_module_names(cfg, adapter.modules())
+        networks = self.trained_networks()
         # frozen teachers: `teacher` (the first) and `teacher:<j>` (multi-teacher distillation, algo.teacher_paths)
-        self.teachers = [load_teacher(path, networks) for path in teacher_paths(algo)]
+        self.teachers = [load_teacher(path, networks, adapter) for path in teacher_paths(algo)]
         self.teacher_models = self.teachers[0] if self.teachers else None
         self.lora = cfg.lora_rank > 0
         self.lora_targets = list(cfg.lora_targets) if cfg.lora_targets else list(adapter.default_lora_targets)
         self.reference_models = None
-        for network in networks.values():
+        frozen = getattr(adapter, "frozen_submodules", {})  # parts a full fine-tune leaves frozen (encoders)
+        for name, network in networks.items():
             if self.lora:
-                add_lora(network, cfg.lora_rank, cfg.lora_alpha, self.lora_targets)
+                try:
+                    add_lora(network, cfg.lora_rank, cfg.lora_alpha, self.lora_targets)
+                except ValueError as e:  # peft: no target module matched in this network
+                    raise UserError(f"actor.lora_targets: no LoRA target matches a layer of the {name!r} network "
+                                    f"({e})") from None
             else:
                 network.requires_grad_(True)
+                for prefix in frozen.get(name, ()):
+                    network.get_submodule(prefix).requires_grad_(False)
         checkpointing = getattr(cfg, "gradient_checkpointing", False)
         if checkpointing is not False:
             for name, network in networks.items():
@@ -263,6 +290,11 @@ class LocalActor:
         self._masked: list = []
         self._dummy = False  # a padding micro-batch (see `_lockstep`) is running: record nothing
         self._sizes: list[int] = []  # every data-parallel rank's number of samples in the update in progress
+
+    def trained_networks(self) -> dict[str, torch.nn.Module]:
+        """The live networks this actor trains, by name (a subset of `adapter.modules()`: actor.train_modules)."""
+        live = self.adapter.modules()
+        return {n: live[n] for n in self.train_names}
 
     def _distribute(self, networks: dict[str, torch.nn.Module]) -> list[torch.nn.Parameter]:
         """The trainable parameters after placing the networks on the ranks: replicated here, as they are
@@ -303,7 +335,7 @@ class LocalActor:
             with self._swap_networks(self.reference_models):
                 yield
             return
-        networks = list(self.adapter.modules().values())
+        networks = list(self.trained_networks().values())
         for network in networks:
             set_adapters_enabled(network, False)
         try:
@@ -366,7 +398,7 @@ class LocalActor:
         return self.policy("old" if self.algo.samples_from_old else "current")
 
     def train_mode(self, training: bool) -> None:
-        for network in self.adapter.modules().values():
+        for network in self.trained_networks().values():  # the frozen ones stay in eval mode
             network.train(training)
 
     # ------------------------------------------------------------------------------------ PolicyEvaluator
@@ -560,7 +592,7 @@ class LocalActor:
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Keys `<network>.<parameter>` (diffusers' pipeline LoRA layout: `transformer.…lora_A.weight`)."""
         out = {}
-        for name, network in self.adapter.modules().items():
+        for name, network in self.trained_networks().items():
             if self.lora:
                 from peft.utils import get_peft_model_state_dict
 
@@ -582,14 +614,14 @@ class LocalActor:
         if self.lora:  # one file, keys `<network>.<peft key>` (the diffusers pipeline LoRA layout)
             save_file(state, str(directory / "adapter_model.safetensors"))
         else:  # one file per network: `transformer.safetensors`, ...
-            for name, part in split_by_network(state, list(self.adapter.modules())).items():
+            for name, part in split_by_network(state, self.train_names).items():
                 save_file(part, str(directory / f"{name}.safetensors"))
         if old is not None:  # the EMA / old policy, so that a resumed run continues exactly
             save_file({n: o.contiguous() for n, o in old.items()}, str(directory / "old_weights.safetensors"))
         if evaluated is not None:  # the evaluation EMA (actor.eval_ema_decay), the same way
             save_file({n: e.contiguous() for n, e in evaluated.items()}, str(directory / EVAL_EMA_FILE))
         meta = {"lora": self.lora, "lora_rank": self.cfg.lora_rank, "lora_alpha": self.cfg.lora_alpha,
-                "lora_targets": self.lora_targets, "networks": list(self.adapter.modules()),
+                "lora_targets": self.lora_targets, "networks": self.train_names,
                 "updates": self.num_updates, "optimizer_steps": self.optimizer_steps, **meta}
         (directory / "weights.json").write_text(json.dumps(meta, indent=2))
 
@@ -688,9 +720,11 @@ def load_trained_weights(adapter: DiffusionPolicy, directory: Path, lora_already
     if not meta_path.is_file():
         raise FileNotFoundError(f"{directory} is not a polyrl checkpoint (no weights.json)")
     meta = json.loads(meta_path.read_text())
-    networks = adapter.modules()
-    if meta.get("networks", list(networks)) != list(networks):
-        raise ValueError(f"{directory} holds networks {meta.get('networks')}, this model has {list(networks)}")
+    live = adapter.modules()
+    names = meta.get("networks", list(live))  # the networks the run trained (actor.train_modules), in model order
+    if not names or any(n not in live for n in names) or names != [n for n in live if n in names]:
+        raise ValueError(f"{directory} holds networks {meta.get('networks')}, this model has {list(live)}")
+    networks = {n: live[n] for n in names}
     if meta["lora"]:
         from peft.utils import set_peft_model_state_dict
 

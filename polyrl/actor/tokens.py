@@ -1,6 +1,10 @@
 """The actor of a token policy: `LocalActor`'s weights, optimiser, policy contexts and update loop, with token
 re-scoring as its evaluator (`algorithms.token_losses.TokenEvaluator`) and rollout correction per token (§4).
 
+A policy whose responses hold several streams (`token_streams`, `streams`: a speaking policy's text and speech) has
+its tokens weighed by stream (`actor.stream_weights`, `actor.stream_norm`; algorithms/streams.py): the weights join
+each token's rollout-correction weight, and DPO's sequence log-probs are the weighted sums.
+
 Rollout correction on tokens is the diffusion one with a response token in place of a trained step: `bypass` uses
 the rollout's per-token log-probs as log π_old (no old-policy forward); `recompute` and `decoupled` run one
 teacher-forced forward of the old policy (timed as `time/old_logprob`), `decoupled` adds truncated importance
@@ -13,6 +17,7 @@ import time
 
 import torch
 
+from ..algorithms.streams import stream_token_weights
 from ..algorithms.token_losses import TokenScores
 from ..batch import Rollout, TokenBatch
 from ..sampling.tokens import TokenPlan, response_token_log_probs
@@ -22,6 +27,28 @@ from .local import LocalActor, correction_weights, in_bounds, mean_stats, micro_
 class TokenActor(LocalActor):
     def _init_sampler(self, plan: TokenPlan) -> None:
         self.temperature = plan.log_prob_temperature
+        names = tuple(getattr(self.adapter, "streams", ()))
+        given = dict(getattr(self.cfg, "stream_weights", None) or {})
+        self.stream_norm = getattr(self.cfg, "stream_norm", "token")
+        self.stream_coefs = None  # None: every token weighs 1 (one stream, or the defaults)
+        if names and (any(float(v) != 1.0 for v in given.values()) or self.stream_norm != "token"):
+            self.stream_coefs = torch.tensor([float(given.get(n, 1.0)) for n in names])
+
+    def stream_weights(self, tokens: TokenBatch, r: int) -> torch.Tensor | None:
+        """The stream weights (B, r) of `tokens`' first r response positions (algorithms/streams.py), None when every
+        token weighs 1."""
+        if self.stream_coefs is None:
+            return None
+        dev = self.adapter.device
+        ids = tokens.response_ids[:, :r].to(dev)
+        return stream_token_weights(self.adapter.token_streams(ids), tokens.response_mask[:, :r].to(dev),
+                                    self.stream_coefs.to(dev), self.stream_norm)
+
+    def sequence_log_probs(self, batch: Rollout, tokens: TokenBatch, policy: str = "current") -> torch.Tensor:
+        """Σ_t w_t log π(token t) (B,) over each response (DPO's sequence log-probs): w the stream weights, else 1."""
+        lp = self.response_log_probs(batch, tokens, policy)
+        w = self.stream_weights(tokens, lp.shape[1])
+        return (lp if w is None else lp * w.to(lp)).sum(-1)
 
     # ------------------------------------------------------------------------------------ TokenEvaluator
     def response_log_probs(self, batch: Rollout, tokens: TokenBatch, policy: str = "current") -> torch.Tensor:
@@ -38,6 +65,9 @@ class TokenActor(LocalActor):
         weight = None
         if policy == "current":
             weight = None if batch.step_weights is None else batch.step_weights[:, :r].to(dev)
+            streams = self.stream_weights(batch.tokens, r)
+            if streams is not None:
+                weight = streams if weight is None else weight * streams
             if self.correction.mode == "bypass" and self.bounds is not None:
                 keep = in_bounds(log_prob.detach() - batch.log_probs[:, :r].to(dev), self.bounds)
                 n = mask.sum().clamp(min=1)

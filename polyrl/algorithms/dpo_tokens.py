@@ -1,5 +1,6 @@
-"""DPO and IPO for token policies (docs/algorithms.md §5): sequence log-probs (sums over response tokens) of a
-chosen and a rejected response under the policy and the frozen reference.
+"""DPO and IPO for token policies (docs/algorithms.md §5): sequence log-probs (sums over response tokens, each
+token weighed by its stream for a policy of several: `TokenEvaluator.sequence_log_probs`) of a chosen and a rejected
+response under the policy and the frozen reference.
 
 Offline (`data.pairs_path`: prompt / chosen / rejected texts, `polyrl/data/text_pairs.py`): a batch row is a pair,
 its chosen response in `tokens` and its rejected one in `extras["rejected_tokens"]`. Online (no pairs file): the
@@ -41,11 +42,11 @@ class DPO(TokenAlgorithm):
 
     def step_loss(self, policy: TokenEvaluator, batch: Rollout, k: int) -> tuple[torch.Tensor, dict]:
         rejected = batch.extras["rejected_tokens"]
-        chosen = policy.response_log_probs(batch, batch.tokens).sum(-1)
-        lost = policy.response_log_probs(batch, rejected).sum(-1)
+        chosen = policy.sequence_log_probs(batch, batch.tokens)
+        lost = policy.sequence_log_probs(batch, rejected)
         with torch.no_grad():
-            ref_chosen = policy.response_log_probs(batch, batch.tokens, policy="reference").sum(-1)
-            ref_lost = policy.response_log_probs(batch, rejected, policy="reference").sum(-1)
+            ref_chosen = policy.sequence_log_probs(batch, batch.tokens, policy="reference")
+            ref_lost = policy.sequence_log_probs(batch, rejected, policy="reference")
         per_pair, margin = dpo_loss(chosen, lost, ref_chosen, ref_lost, self.beta, self.loss_type)
         loss = per_pair.mean()
         stats = {"loss": loss.detach(), "policy_loss": loss.detach(),

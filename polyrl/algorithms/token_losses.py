@@ -45,6 +45,10 @@ class TokenEvaluator(Protocol):
         rejected responses."""
         ...
 
+    def sequence_log_probs(self, batch: Rollout, tokens: TokenBatch, policy: str = "current") -> torch.Tensor:
+        """Σ_t w_t log π (B,) over each response, w_t its stream's weight (1 for a one-stream policy): DPO's."""
+        ...
+
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum(-1)

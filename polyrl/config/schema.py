@@ -103,6 +103,13 @@ class ActorConfig:
     # recompute block activations in the backward (memory for compute): true every block, a share in (0, 1] that
     # share of the blocks, evenly spread
     gradient_checkpointing: Union[bool, float] = False  # noqa: UP007 (OmegaConf reads typing.Union, not `|`)
+    # the model's networks to train (model=qwen3_omni_speech: thinker, talker, code_predictor); None: all of them
+    train_modules: list | None = None
+    # a policy of several token streams (model=qwen3_omni_speech: text, speech): each stream's coefficient in the loss
+    # ({speech: 0.5}; unnamed streams 1) and how a response's tokens are normalised: token (each token counts) |
+    # stream (each stream's token mean, weighted by its coefficient: algorithms/streams.py)
+    stream_weights: dict = field(default_factory=dict)
+    stream_norm: str = "token"
 
 
 @dataclass
@@ -256,6 +263,35 @@ def _check_launcher(cfg: DictConfig) -> None:
     if cfg.actor.backend != "local":
         raise ConfigError(f"trainer.launcher=ray drives actor.backend=local; actor.backend={cfg.actor.backend} is "
                           "launched with torchrun (docs/distributed.md)")
+
+
+def _check_streams(cfg: DictConfig, model_cls) -> None:
+    """actor.train_modules (the model's networks) and actor.stream_weights / stream_norm (its token streams)."""
+    from ..algorithms.streams import STREAM_NORMS
+
+    a = cfg.actor
+    if a.train_modules is not None:
+        names = list(a.train_modules)
+        known = getattr(model_cls, "module_names", None)
+        if not names or not all(isinstance(n, str) for n in names):
+            raise ConfigError(f"actor.train_modules={names} must be a non-empty list of network names, or null (all)")
+        if known is not None and any(n not in known for n in names):
+            bad = next(n for n in names if n not in known)
+            raise ConfigError(f"actor.train_modules: {bad!r} is not a network of model={cfg.model.name}; allowed: "
+                              f"{', '.join(known)}")
+        if a.backend != "local" or cfg.trainer.launcher != "local":
+            raise ConfigError("actor.train_modules is implemented for actor.backend=local and trainer.launcher=local")
+    _check_choice("actor.stream_norm", a.stream_norm, STREAM_NORMS)
+    streams = tuple(getattr(model_cls, "streams", ()))
+    if (a.stream_weights or a.stream_norm != "token") and not streams:
+        raise ConfigError(f"actor.stream_weights / actor.stream_norm weigh the token streams of a policy of several "
+                          f"(model=qwen3_omni_speech: text, speech); model={cfg.model.name} has one")
+    for key, value in a.stream_weights.items():
+        if key not in streams:
+            raise ConfigError(f"actor.stream_weights.{key}: not a stream of model={cfg.model.name}; allowed: "
+                              f"{', '.join(streams)}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise ConfigError(f"actor.stream_weights.{key}={value!r} must be a number >= 0")
 
 
 def scorer_configs(names: list[str], cfg, extra: dict, key: str = "eval.scorers",
@@ -463,6 +499,7 @@ def validate(raw: DictConfig) -> DictConfig:
         check_parallel_config(cfg, MODELS[cfg.model.name])
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_streams(cfg, MODELS[cfg.model.name])
     if not 0 <= a.ema_decay < 1:
         raise ConfigError(f"actor.ema_decay={a.ema_decay} must be in [0, 1)")
     if not 0 <= a.eval_ema_decay < 1:

@@ -99,18 +99,19 @@ def _pad_stack(values: list[torch.Tensor | None], like: torch.Tensor) -> torch.T
 class Qwen3OmniPolicy:
     policy_kind = "tokens"
     default_lora_targets = list(ATTENTION)  # replaced per instance by the text decoder's attention (below)
+    thinker_key = "model"  # the thinker's name in `modules()`
 
     def __init__(self, cfg, device: torch.device):
-        from transformers import AutoTokenizer, Qwen3OmniMoeThinkerForConditionalGeneration
+        from transformers import AutoTokenizer
 
         path = Path(cfg.path)
         if not (path / "config.json").is_file():
             raise UserError(f"model.path={str(path)!r} is not a transformers model directory (no config.json)")
         self.path, self.device, self.dtype = path, device, DTYPES[cfg.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        self.network = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(str(path), dtype=self.dtype).to(device)
+        self.network = self._load_thinker(path).to(device)
         self.network.eval().requires_grad_(False)
-        self.networks = {"model": self.network}
+        self.networks = {self.thinker_key: self.network}
         self.config = self.network.config
         self.max_prompt_tokens = int(cfg.max_sequence_length)
         self.eos_token_ids = eos_ids(self.network, self.tokenizer)
@@ -144,6 +145,12 @@ class Qwen3OmniPolicy:
         self._attn_width = text.num_attention_heads * text.head_dim
         self._encoder_params = {"audio": sum(p.numel() for p in self.network.model.audio_tower.parameters()),
                                 "vision": sum(p.numel() for p in self.network.model.visual.parameters())}
+
+    def _load_thinker(self, path: Path):
+        """The thinker alone (a full Qwen3-Omni checkpoint's `thinker.*` weights load into it)."""
+        from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+
+        return Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(str(path), dtype=self.dtype)
 
     def modules(self) -> dict[str, torch.nn.Module]:
         return self.networks
@@ -286,6 +293,13 @@ class Qwen3OmniPolicy:
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cond: Cond | None = None,
                 cache: Any = None, keep: int = 0, use_cache: bool = False) -> tuple[torch.Tensor, Any]:
+        logits, new_cache, _ = self.thinker_forward(input_ids, attention_mask, cond, cache, keep, use_cache)
+        return logits, new_cache
+
+    def thinker_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cond: Cond | None = None,
+                        cache: Any = None, keep: int = 0, use_cache: bool = False, hidden_layer: int | None = None):
+        """`forward`'s (logits, cache) and, for `hidden_layer` k, the thinker's hidden states after its k-th decoder
+        layer (B, T, D) (its `output_hidden_states`; 0: the input embeddings), else None."""
         b, t = input_ids.shape
         media: dict[str, torch.Tensor] = {}
         if cache is None:  # the prompt is in input_ids: Qwen3-Omni's 3-D positions over the real tokens
@@ -310,12 +324,13 @@ class Qwen3OmniPolicy:
             self.flops += 2.0 * self._encoder_params["audio"] * float(media["feature_attention_mask"].sum()) * grad
         if "input_features" in media:
             media["input_features"] = media["input_features"].to(self.dtype)
-        net = self.networks["model"]  # the live entry: the actor may swap in another policy (reference, teacher)
+        net = self.networks[self.thinker_key]  # the live entry: the actor may swap in another policy (reference, ...)
+        extra = {} if hidden_layer is None else {"output_hidden_states": True}
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype.itemsize < 4):
             out = net(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                      cache=kv, use_cache=use_cache, **media)
+                      cache=kv, use_cache=use_cache, **media, **extra)
         new_cache = (out.cache, delta) if use_cache else None
         logits = (out.logits[:, -keep:] if keep else out.logits).float()  # the thinker's forward has no logits_to_keep
         # the policy never emits media markers: in a teacher-forced forward they would be read as media slots
         logits[..., self._banned] = float("-inf")
-        return logits, new_cache
+        return logits, new_cache, (None if hidden_layer is None else out.hidden_states[hidden_layer])

@@ -5,8 +5,11 @@ voice match by a local speaker-embedding model. Both read `Audio` (mono-mixed, r
 * `asr_wer`: a local Whisper-layout checkpoint (`AutoModelForSpeechSeq2Seq` + `AutoProcessor`) transcribes each clip
   (greedy, at most `max_new_tokens` tokens); the score is 1 − WER (`metric: wer`) or 1 − CER (`metric: cer`) of
   the transcript against the data's `text` column (`text_key`; it reaches the reward as `metadata["text"]`; a row
-  without one is refused before training, naming its file and line). Both texts are normalised first (lower case,
-  punctuation other than apostrophes dropped, whitespace collapsed; `normalize: false` keeps them as they are).
+  without one is refused before training, naming its file and line), or with `reference: response` against the
+  policy's own text of the same response (a speaking policy, model=qwen3_omni_speech: the speech says what the text
+  says; the reward then reads both media). Both texts are normalised first (lower case, punctuation other than
+  apostrophes dropped, whitespace collapsed; `normalize: false` keeps them as they are). A response whose own text
+  is empty scores WER 0 when the transcript is empty too, else 1.
 
       WER = (S + D + I) / N     the fewest word substitutions, deletions and insertions turning the reference
                                 (N words) into the transcript (Levenshtein over words), as jiwer computes it
@@ -34,6 +37,7 @@ from .clip_score import local_dir
 from .ocr import edit_distance
 
 METRICS = ("wer", "cer")
+REFERENCES = ("column", "response")  # asr_wer's reference text: the data's column, or the policy's own text
 
 
 def normalize_transcript(text: str) -> str:
@@ -53,6 +57,13 @@ def error_rate(hypothesis: str, reference: str, metric: str = "wer") -> float:
     if not ref:
         raise ValueError(f"the reference text {reference!r} is empty: the {metric.upper()} is undefined")
     return edit_distance(ref, hyp) / len(ref)
+
+
+def speech_error_rate(hypothesis: str, reference: str, metric: str = "wer") -> float:
+    """`error_rate`, with an empty reference (a response whose text is empty) at 0 for an empty transcript, else 1."""
+    if not (reference.split() if metric == "wer" else reference):
+        return 0.0 if not (hypothesis.split() if metric == "wer" else hypothesis) else 1.0
+    return error_rate(hypothesis, reference, metric)
 
 
 def mono_at(audio: Audio, rate: int) -> list[np.ndarray]:
@@ -96,11 +107,16 @@ class AsrWer(_LocalSpeechModel):
 
     def __init__(self, path: str, metric: str = "wer", text_key: str = "text", normalize: bool = True,
                  language: str | None = None, max_new_tokens: int = 128, device: str = "auto",
-                 dtype: str = "float32"):
+                 dtype: str = "float32", reference: str = "column"):
         from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
 
         if metric not in METRICS:
             raise ValueError(f"asr_wer: metric={metric!r} is not valid; allowed: {', '.join(METRICS)}")
+        if reference not in REFERENCES:
+            raise ValueError(f"asr_wer: reference={reference!r} is not valid; allowed: {', '.join(REFERENCES)}")
+        self.reference = reference
+        if reference == "response":  # reads each response's text beside its audio
+            self.media = ("audio", "text")
         path = self._load(AutoModelForSpeechSeq2Seq, path, device, dtype)
         self.metric, self.text_key, self.normalize = metric, text_key, bool(normalize)
         self.language, self.max_new_tokens = language, int(max_new_tokens)
@@ -109,7 +125,10 @@ class AsrWer(_LocalSpeechModel):
         self.last_transcripts: list[str] = []
 
     def check_prompt(self, prompt: str, metadata: dict) -> None:
-        """A data row must carry the reference text (called per row before training)."""
+        """A data row must carry the reference text (called per row before training), unless the reference is the
+        response's own text."""
+        if self.reference == "response":
+            return
         text = metadata.get(self.text_key)
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"asr_wer needs the reference transcript in the {self.text_key!r} column")
@@ -124,10 +143,19 @@ class AsrWer(_LocalSpeechModel):
         return self.processor.batch_decode(out, skip_special_tokens=True)
 
     def __call__(self, audio, prompts, metadata=None) -> RewardOutput:
-        refs = self._column(audio, prompts, metadata, self.text_key, "reference text")
+        if self.reference == "response":
+            if not isinstance(audio, dict) or "text" not in audio or "audio" not in audio:
+                raise ValueError("asr_wer: reference=response compares the speech with the policy's own text, but the "
+                                 "model outputs no text beside its audio (model=qwen3_omni_speech does)")
+            refs = list(audio["text"])
+            audio = audio["audio"]
+            self._column(audio, prompts, [{"text": r} for r in refs], "text", "response text")
+        else:
+            refs = self._column(audio, prompts, metadata, self.text_key, "reference text")
         self.last_transcripts = self.transcribe(audio)
         norm = normalize_transcript if self.normalize else (lambda s: s)
-        rates = [error_rate(norm(h), norm(r), self.metric) for h, r in zip(self.last_transcripts, refs, strict=True)]
+        rate = speech_error_rate if self.reference == "response" else error_rate
+        rates = [rate(norm(h), norm(r), self.metric) for h, r in zip(self.last_transcripts, refs, strict=True)]
         return RewardOutput(torch.tensor([1.0 - x for x in rates], dtype=torch.float32),
                             {f"asr_wer/{self.metric}": rates})
 

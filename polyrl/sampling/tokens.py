@@ -13,6 +13,10 @@ that samples a row, and a resumed run draws what an uninterrupted one would.
 A response ends at an EOS token of the model or when its text contains one of `rollout.stop` (the token that
 completes the stop string is the last one kept), else after `rollout.max_new_tokens` tokens. Every stored tensor
 is padded to `max_new_tokens` columns, so rollouts of any length concatenate (the actor trims the padding).
+
+A speaking policy (`speech_tokens` > 0: model=qwen3_omni_speech) then says each text (`speak`): its codes follow the
+text in the same response, drawn from `speech_tokens` more uniform columns per sample, and the tensors are
+`max_new_tokens + speech_tokens` wide.
 """
 
 from __future__ import annotations
@@ -46,9 +50,16 @@ class TokenPlan:
         return self.temperature if self.temperature > 0 else 1.0
 
 
-def draw_uniforms(num_samples: int, plan: TokenPlan, generator: torch.Generator) -> torch.Tensor:
-    """(B, max_new_tokens) float64 uniforms in [0, 1): one per (sample, position), drawn sample-major."""
-    return torch.rand((num_samples, plan.max_new_tokens), generator=generator, dtype=torch.float64)
+def draw_uniforms(num_samples: int, plan: TokenPlan, generator: torch.Generator, extra: int = 0) -> torch.Tensor:
+    """(B, max_new_tokens + extra) float64 uniforms in [0, 1): one per (sample, position), drawn sample-major.
+    `extra`: the columns of a second stream the policy decodes after the text (`speech_tokens`)."""
+    return torch.rand((num_samples, plan.max_new_tokens + extra), generator=generator, dtype=torch.float64)
+
+
+def extra_tokens(adapter) -> int:
+    """The response columns a policy decodes after its text (a speaking policy's speech codes: `speech_tokens`;
+    0 for a one-stream policy)."""
+    return int(getattr(adapter, "speech_tokens", 0))
 
 
 def token_log_probs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -165,22 +176,38 @@ def sample_tokens(adapter: TokenPolicy, prompt_ids: list[list[int]], cond: dict,
                   uniforms: torch.Tensor) -> tuple[TokenBatch, torch.Tensor]:
     """Sample one chunk: (tokens with responses padded to max_new_tokens, log π of each response token (B, R)
     float32, 0 on padding). One prefill, then one cached forward per new token; stops when every row ended.
+    A speaking policy (`speech_decoding`) then says each text: `speak`.
 
     Everything stays on the device until the chunk ends: on a GPU the host asks whether every row has ended only
     every `ENDED_CHECK_EVERY` steps (each question waits for the GPU), so the steps queue back to back."""
     device, pad = adapter.device, adapter.pad_token_id
     prompt, prompt_mask = pad_left(prompt_ids, pad)
     b, r = len(prompt_ids), plan.max_new_tokens
-    eos = torch.tensor(adapter.eos_token_ids, dtype=torch.long, device=device)
     stops = StopStrings(adapter, tuple(plan.stop))
-    check_every = 1 if (device.type == "cpu" or stops.stop) else ENDED_CHECK_EVERY
+    uniforms = uniforms.to(device)
+    decoding = decoding_for(adapter, b, prompt.shape[1], r)
+    logits = decoding.prefill(prompt.to(device), prompt_mask.to(device), {k: v.to(device) for k, v in cond.items()})
+    response, response_mask, log_probs = decode_loop(decoding, logits, uniforms[:, :r], plan, adapter.eos_token_ids,
+                                                     pad, stops)
+    tokens = TokenBatch(prompt, prompt_mask, response.cpu(), response_mask.cpu(), pad)
+    if extra_tokens(adapter):
+        return speak(adapter, tokens, log_probs.cpu(), cond, plan, uniforms[:, r:])
+    return tokens, log_probs.cpu()
+
+
+def decode_loop(decoding, logits: torch.Tensor, uniforms: torch.Tensor, plan: TokenPlan, eos_ids: list[int], pad: int,
+                stops: StopStrings | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw up to `uniforms.shape[1]` tokens from `logits` (the prefill's) and `decoding.step`: (tokens, mask, log π)
+    each (B, R) on the device; a row ends at a token of `eos_ids` or a stop string."""
+    b, r = uniforms.shape
+    device = logits.device
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+    stops = stops if stops is not None and stops.stop else None
+    check_every = 1 if (device.type == "cpu" or stops) else ENDED_CHECK_EVERY
     response = torch.full((b, r), pad, dtype=torch.long, device=device)
     response_mask = torch.zeros((b, r), dtype=torch.long, device=device)
     log_probs = torch.zeros((b, r), dtype=torch.float32, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
-    uniforms = uniforms.to(device)
-    decoding = decoding_for(adapter, b, prompt.shape[1], r)
-    logits = decoding.prefill(prompt.to(device), prompt_mask.to(device), {k: v.to(device) for k, v in cond.items()})
     for t in range(r):
         token, lp = sample_next(logits, uniforms[:, t], plan)
         alive = ~done
@@ -189,15 +216,39 @@ def sample_tokens(adapter: TokenPolicy, prompt_ids: list[list[int]], cond: dict,
         response_mask[:, t] = alive.long()
         log_probs[:, t] = torch.where(alive, lp, torch.zeros_like(lp))
         done = done | torch.isin(token, eos)
-        if stops.stop:
+        if stops:
             for i in torch.nonzero(alive & ~done).flatten().tolist():
                 if stops.hit(response[i, : t + 1].tolist()):
                     done[i] = True
         if t == r - 1 or ((t + 1) % check_every == 0 and bool(done.all())):
             break
         logits = decoding.step(token)
-    tokens = TokenBatch(prompt, prompt_mask, response.cpu(), response_mask.cpu(), pad)
-    return tokens, log_probs.cpu()
+    return response, response_mask, log_probs
+
+
+def speak(adapter, text: TokenBatch, text_log_probs: torch.Tensor, cond: dict, plan: TokenPlan,
+          uniforms: torch.Tensor) -> tuple[TokenBatch, torch.Tensor]:
+    """The second stream of a speaking policy (Qwen3-Omni's talker, models/qwen3_omni_speech.py): its
+    `speech_decoding(text, cond)` gives the codes' logits frame by frame, drawn as the text's were (π = softmax(logits
+    / T), column j of `uniforms` for speech token j: (B, speech_tokens)) until the codec EOS or `speech_tokens`
+    codes. Each response is its text, then its codes as ids `speech_offset` + code, one contiguous run (B, R +
+    speech_tokens) with the log-probs beside it."""
+    device = adapter.device
+    decoding = adapter.speech_decoding(text, {k: v.to(device) for k, v in cond.items()})
+    codes, code_mask, code_lp = decode_loop(decoding, decoding.prefill(), uniforms.to(device), plan,
+                                            adapter.speech_eos_ids, 0)
+    codes, code_mask, code_lp = codes.cpu(), code_mask.cpu(), code_lp.cpu()
+    b, r, s = len(text), text.response_ids.shape[1], codes.shape[1]
+    response = torch.full((b, r + s), text.pad_id, dtype=torch.long)
+    mask = torch.zeros((b, r + s), dtype=torch.long)
+    log_probs = torch.zeros((b, r + s), dtype=torch.float32)
+    for i in range(b):
+        n, m = int(text.response_mask[i].sum()), int(code_mask[i].sum())
+        response[i, :n], log_probs[i, :n] = text.response_ids[i, :n], text_log_probs[i, :n]
+        response[i, n: n + m] = codes[i, :m] + adapter.speech_offset
+        log_probs[i, n: n + m] = code_lp[i, :m]
+        mask[i, : n + m] = 1
+    return TokenBatch(text.prompt_ids, text.prompt_mask, response, mask, text.pad_id), log_probs
 
 
 def response_texts(adapter: TokenPolicy, tokens: TokenBatch) -> list[str]:
@@ -258,6 +309,10 @@ def response_token_log_probs(adapter: TokenPolicy, tokens: TokenBatch, cond: dic
     p, r = tokens.prompt_ids.shape[1], tokens.response_ids.shape[1]
     if r == 0:  # no response token (an empty micro-batch: a rank may hold no sample of a mini-batch)
         return torch.zeros((len(tokens), 0), device=device, requires_grad=torch.is_grad_enabled())
+    own = getattr(adapter, "teacher_forced_log_probs", None)  # a policy of two streams scores each with its network
+    if own is not None:
+        lp = own(tokens.to(device), {k: v.to(device) for k, v in cond.items()}, temperature)
+        return lp * tokens.response_mask.to(device)
     ids = tokens.input_ids[:, : p + r - 1].to(device)
     mask = tokens.attention_mask[:, : p + r - 1].to(device)
     logits, _ = adapter.forward(ids, mask, {k: v.to(device) for k, v in cond.items()}, None, keep=r)
@@ -271,11 +326,22 @@ def token_plan_from_config(r) -> TokenPlan:
                      batch_size=r.batch_size)
 
 
-def response_metrics(batches: list[Rollout], engine, max_new_tokens: int) -> dict[str, float]:
-    """Mean / max response length of every sample this step, and the share cut at max_new_tokens without ending."""
-    lengths = engine.gather(torch.cat([b.tokens.response_mask.sum(1).float() for b in batches]))
-    return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-            "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean())}
+def response_metrics(batches: list[Rollout], engine, max_new_tokens: int, adapter=None) -> dict[str, float]:
+    """Mean / max response length of every sample this step, and the share cut at max_new_tokens without ending.
+    A speaking policy's (`speech_offset`): the text's, and its speech codes' (`speech_length/*`, cut at
+    `speech_tokens`)."""
+    offset, extra = getattr(adapter, "speech_offset", None), extra_tokens(adapter)
+    masks = [b.tokens.response_mask.bool() for b in batches]
+    speech = [b.tokens.response_ids >= offset if offset is not None else torch.zeros_like(m)
+              for b, m in zip(batches, masks, strict=True)]
+    lengths = engine.gather(torch.cat([(m & ~s).sum(1).float() for m, s in zip(masks, speech, strict=True)]))
+    out = {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+           "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean())}
+    if extra:
+        codes = engine.gather(torch.cat([(m & s).sum(1).float() for m, s in zip(masks, speech, strict=True)]))
+        out.update({"speech_length/mean": float(codes.mean()), "speech_length/max": float(codes.max()),
+                    "speech_length/clip_ratio": float((codes >= extra).float().mean())})
+    return out
 
 
 @SAMPLERS.register("tokens")
@@ -300,7 +366,8 @@ class TokenSampler:
     def draws(self, group_ids: torch.Tensor, mine: slice, step: int, attempt: int) -> torch.Tensor:
         if attempt == 0:
             self.generator = step_generator(self.seed, step)
-        return draw_uniforms(len(group_ids), self.plan, self.generator)[mine]  # the whole step's draws, then ours
+        # the whole step's draws, then ours
+        return draw_uniforms(len(group_ids), self.plan, self.generator, extra_tokens(self.adapter))[mine]
 
     def rollout(self, prompts: list, metadata: list[dict], group_ids: torch.Tensor, draws: torch.Tensor, sink,
                 timer) -> Rollout:
@@ -314,11 +381,11 @@ class TokenSampler:
     def evaluate(self, prompts: list, metadata: list[dict], seed: int) -> Rollout:
         """Greedy decoding (the same responses for the same weights)."""
         greedy = replace(self.plan, temperature=0.0, top_p=1.0)
-        uniforms = torch.zeros((len(prompts), greedy.max_new_tokens), dtype=torch.float64)
+        uniforms = torch.zeros((len(prompts), greedy.max_new_tokens + extra_tokens(self.adapter)), dtype=torch.float64)
         return token_rollout(self.adapter, list(prompts), list(metadata), torch.arange(len(prompts)), greedy, uniforms)
 
     def metrics(self, batches: list[Rollout], engine) -> dict[str, float]:
-        return response_metrics(batches, engine, self.plan.max_new_tokens)
+        return response_metrics(batches, engine, self.plan.max_new_tokens, self.adapter)
 
     def close(self) -> None:
         pass
