@@ -76,12 +76,16 @@ def rollout(policy, ps, temperature: float, seed: int = 0, max_new_tokens: int =
     return token_rollout(policy, ps, [{}] * len(ps), torch.arange(len(ps)), plan, u)
 
 
-def test_greedy_rollout_is_transformers_generate(policy, omni_dir, media):
+@pytest.mark.parametrize("speaker", ["", "Chelsie"])
+def test_greedy_rollout_is_transformers_generate(policy, omni_dir, media, speaker):
     """Greedy decoding through the policy = transformers' generate of one sample (thinker greedy with the media markers
-    suppressed, talker and code predictor greedy, no repetition penalty): the same text, codes and waveform."""
+    suppressed, talker and code predictor greedy, no repetition penalty), for generate's default speaker and another:
+    the same text, codes and waveform."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    ps = prompts(media)
+    ps = prompts(media) if not speaker else prompts(media)[:2]
+    if speaker:
+        policy = load(omni_dir, speaker=speaker)
     batch = rollout(policy, ps, temperature=0.0)
     ref = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(omni_dir)).eval()
     give_audio_config(ref)  # transformers' talker reads an audio_config its config lacks
@@ -105,7 +109,8 @@ def test_greedy_rollout_is_transformers_generate(policy, omni_dir, media):
         seq, wav = ref.generate(input_ids=torch.tensor(ids), thinker_max_new_tokens=6,
                                 thinker_eos_token_id=policy.eos_token_ids, thinker_do_sample=False,
                                 thinker_suppress_tokens=policy._banned, talker_do_sample=False,
-                                talker_repetition_penalty=1.0, talker_max_new_tokens=FRAMES + 1, speaker="ethan", **flat)
+                                talker_repetition_penalty=1.0, talker_max_new_tokens=FRAMES + 1,
+                                speaker=speaker or "Ethan", **flat)
         ref.code2wav.chunked_decode = decode
         assert text == seq[0, len(ids[0]):].tolist()
         whole = len(codes) // GROUPS
@@ -114,7 +119,7 @@ def test_greedy_rollout_is_transformers_generate(policy, omni_dir, media):
         assert torch.allclose(ours[: wav.shape[-1]], wav.flatten(), atol=1e-6) and not ours[wav.shape[-1]:].any()
         assert batch.media["text"][i] == policy.tokenizer.decode(text, skip_special_tokens=True)
         compared += 1
-    assert compared >= 3
+    assert compared >= min(3, len(ps))
 
 
 def float64_log_probs(model, policy, tokens, cond, i: int, temperature: float) -> torch.Tensor:
@@ -392,24 +397,51 @@ def test_the_token_losses_train_both_streams(omni_dir, media, tmp_path, loss):
         assert rows[0].get("opd/kl", 0.0) == pytest.approx(0.0, abs=1e-5)
 
 
+def build_tiny_xvector(path):
+    from transformers import Wav2Vec2Config, Wav2Vec2FeatureExtractor, Wav2Vec2ForXVector
+
+    cfg = Wav2Vec2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                         conv_dim=(8, 8), conv_stride=(5, 4), conv_kernel=(10, 4), num_conv_pos_embeddings=8,
+                         num_conv_pos_embedding_groups=2, tdnn_dim=(8, 8), tdnn_kernel=(3, 1), tdnn_dilation=(1, 1),
+                         xvector_output_dim=6)
+    torch.manual_seed(0)
+    Wav2Vec2ForXVector(cfg).save_pretrained(path)
+    Wav2Vec2FeatureExtractor(sampling_rate=16000, do_normalize=True).save_pretrained(path)
+    return path
+
+
 def test_eval_scores_text_and_speech(omni_dir, media, tmp_path, whisper):
+    """`polyrl eval` with a text scorer and every speech scorer (asr_wer against the model's own text, speaker
+    similarity against the rows' reference clip, CLAP against the prompt): each sample scored by each, the ASR score
+    1 − WER by hand (the scripted Whisper always hears "cat cat cat")."""
+    from test_clap import build_tiny_clap
+
+    from polyrl.rewards.speech import error_rate, normalize_transcript
+
+    build_tiny_clap(tmp_path / "clap")
+    data = tmp_path / "eval.jsonl"
+    rows = [json.loads(line) for line in (media / "train.jsonl").read_text().splitlines()]
+    data.write_text("".join(json.dumps({**r, **{k: str(media / v) for k, v in r.items() if k in ("image", "audio")},
+                                        "reference_audio": str(media / "media/a.wav")}) + "\n" for r in rows))
     out = tmp_path / "eval"
+    scorers = ["format", "asr_wer", "speaker_similarity", "clap"]
     args = ["eval", "recipe=qwen3_omni_speech_grpo", f"model.path={omni_dir}", "model.dtype=float32",
-            f"model.options.max_speech_frames={FRAMES}", f"data.path={media / 'train.jsonl'}", "reward=format",
-            "reward.pattern='.*[a-m].*'", "eval.scorers=[format,asr_wer]", f"scorer.asr_wer.path={whisper}",
+            f"model.options.max_speech_frames={FRAMES}", "model.options.sample_rate=4000", f"data.path={data}",
+            *FORMAT, f"eval.scorers=[{','.join(scorers)}]", f"scorer.asr_wer.path={whisper}",
             "scorer.asr_wer.reference=response", "scorer.asr_wer.max_new_tokens=3", "scorer.asr_wer.device=cpu",
+            f"scorer.speaker_similarity.path={build_tiny_xvector(tmp_path / 'xvec')}",
+            "scorer.speaker_similarity.device=cpu", f"scorer.clap.path={tmp_path / 'clap'}", "scorer.clap.device=cpu",
             "rollout.max_new_tokens=4", f"eval.output_dir={out}", "eval.progress=false"]
     assert main(args) == 0
     records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert len(records) == 4 and set(records[0]["scores"]) == {"format", "asr_wer"}
-    from polyrl.rewards.speech import error_rate, normalize_transcript
-
-    for r in records:  # the scripted Whisper always hears "cat cat cat"; an empty text: WER 1
+    assert len(records) == 4 and all(set(r["scores"]) == set(scorers) for r in records)
+    for r in records:  # an empty text: WER 1
         ref = normalize_transcript(r["responses"][0])
         wer = error_rate("cat cat cat", ref) if ref.split() else 1.0
         assert r["scores"]["asr_wer"][0] == pytest.approx(1 - wer, abs=1e-6)
+        assert -1 <= r["scores"]["speaker_similarity"][0] <= 1 and -1 <= r["scores"]["clap"][0] <= 1
     report = json.loads((out / "report.json").read_text())
-    assert set(report["scorers"]) == {"format", "asr_wer"}
+    assert set(report["scorers"]) == set(scorers)
 
 
 def test_config_and_checkpoint_errors_are_one_line(omni_dir, media, tmp_path, capsys):
