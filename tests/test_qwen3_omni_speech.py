@@ -378,14 +378,15 @@ def whisper(tmp_path_factory):
 
 
 LOSSES = {"gspo": ["algorithm=gspo"], "dapo": ["algorithm=dapo", "algorithm.dynamic_sampling=false"],
-          "dpo": ["algorithm=dpo", "actor.lora_rank=4", "actor.lora_alpha=8"],
+          "dpo": ["algorithm=dpo", "actor.lora_rank=4", "actor.lora_alpha=8", "actor.stream_norm=stream"],
           "opd": ["algorithm=opd", "algorithm.task_loss=grpo"]}
 
 
 @pytest.mark.parametrize("loss", sorted(LOSSES))
 def test_the_token_losses_train_both_streams(omni_dir, media, tmp_path, loss):
-    """One step each of GSPO, DAPO, online DPO (LoRA) and OPD (the teacher: the model directory itself, loaded as the
-    three networks) over the text and speech tokens of each sample."""
+    """One step each of GSPO, DAPO, online DPO (LoRA; its sequence log-probs the stream-normalised sums) and OPD (the
+    teacher: the model directory itself, loaded as the three networks) over the text and speech tokens of each
+    sample."""
     extra = [*LOSSES[loss], "trainer.max_steps=1", "trainer.save_every=0"]
     if loss == "opd":
         extra.append(f"algorithm.teacher_path={omni_dir}")
