@@ -106,3 +106,17 @@ def test_the_stage_named(phase, tag, stage):
         error.polyrl_stage = tag
     assert oom_stage(error, phase) == stage
     assert oom_stage(ValueError("x"), phase) is None
+
+
+def test_on_a_gpu_the_keys_are_the_plans_change_that_fits(tiny_sd3_dir, shape_prompts_file, monkeypatch):
+    from polyrl.config import load_config
+    from polyrl.trainer.memory_plan import estimate_config
+    from polyrl.trainer.oom import out_of_memory
+
+    args = [f"model.path={tiny_sd3_dir}", f"data.path={shape_prompts_file}", "rollout.height=512", "rollout.width=512",
+            "actor.micro_batch_size=32", "rollout.guidance_scale=4.5"]
+    cfg = load_config(args)
+    card = (estimate_config(cfg).peak_gib + estimate_config(load_config([*args, "actor.micro_batch_size=16"])).peak_gib) / 2
+    monkeypatch.setattr("polyrl.trainer.oom.free_memory_gib", lambda device=None: (0.25, card))
+    line = str(out_of_memory(torch.OutOfMemoryError(MESSAGE), "train", cfg))
+    assert line == "out of GPU memory in train (asked 3.00 GiB, free 1.25 GiB); try actor.micro_batch_size=16"

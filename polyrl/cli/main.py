@@ -1,4 +1,4 @@
-"""`polyrl` command line: train | config | sample | eval | export | pretrain-toy | bench | serve-reward | view.
+"""`polyrl` command line: train | config | sample | eval | export | pretrain-toy | bench | plan | serve-reward | view.
 
     polyrl train [overrides...]            run the config (default: the embedded toy_shapes recipe); --help lists them
     polyrl config [overrides...]           print the resolved config
@@ -7,6 +7,8 @@
                                            checkpoint, paired against its base (docs/evaluation.md)
     polyrl export checkpoint=DIR out=DIR [--merge]   a diffusers LoRA (pipe.load_lora_weights) or merged pipeline
     polyrl pretrain-toy [--task shapes|motion|count|text|rewrite] [--out DIR] ...   re-train an embedded toy base model
+    polyrl plan [overrides...] [--gpu-memory GiB] [--gpus N]   the estimated peak GPU memory per GPU of a config,
+                                           and the smallest change that fits (docs/memory.md)
     polyrl bench [--tiny] [--workload sd35m|qwen_image|wan22_5b|wan22_a14b|grpo_lm] [--epochs 2] [overrides...]
                                            a published-size workload (docs/performance.md), timed per stage
     polyrl serve-reward reward=NAME [reward.k=v ...] [--host H] [--port N] [--token T]   a reward over HTTP
@@ -95,6 +97,12 @@ def cmd_train(args: list[str]) -> int:
     imports, overrides = pop_imports(args)
     notes = []
     cfg = load_config(overrides, notes)
+    if os.environ.get("RANK", "0") == "0":  # on a GPU: the memory plan, before the weights load
+        from ..trainer.memory_plan import launch_warning
+
+        warning = launch_warning(cfg)
+        if warning:
+            print(warning, file=sys.stderr)
     trainer = Trainer(cfg, overrides=[a for spec in imports for a in ("--import", spec)] + overrides)
     main = trainer.engine.is_main
     if main:
@@ -200,6 +208,12 @@ def cmd_pretrain_toy(args: list[str]) -> int:
     return pretrain_main(args)
 
 
+def cmd_plan(args: list[str]) -> int:
+    from .plan import main as plan_main
+
+    return plan_main(args)
+
+
 def cmd_bench(args: list[str]) -> int:
     from .bench import main as bench_main
 
@@ -224,7 +238,7 @@ def cmd_view(args: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "config": cmd_config, "sample": cmd_sample, "eval": cmd_eval, "export": cmd_export,
-            "pretrain-toy": cmd_pretrain_toy, "bench": cmd_bench, "serve-reward": cmd_serve_reward, "view": cmd_view}
+            "pretrain-toy": cmd_pretrain_toy, "bench": cmd_bench, "plan": cmd_plan, "serve-reward": cmd_serve_reward, "view": cmd_view}
 
 
 def quiet_libraries() -> None:

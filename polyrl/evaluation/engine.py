@@ -125,7 +125,7 @@ def run(checkpoint: str | None, opts: EvalOptions, extra: dict, overrides: list[
                           "scores": {n: v[sl] for n, v in scores.items()}}
                 if base_scores is not None:
                     record["base"] = {n: v[sl] for n, v in base_scores.items()}
-                if tokens:  # a token policy's responses (media {"text": [...]})
+                if tokens and "text" in trained[0]:  # a token policy's responses (Janus-Pro's are images)
                     record["responses"] = trained[0]["text"][sl]
                     if base is not None:
                         record["base_responses"] = base[0]["text"][sl]

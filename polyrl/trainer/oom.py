@@ -3,7 +3,8 @@ try <keys>`, after the run saved its last completed step (trainer/loop.py `_fail
 
 The stage is the innermost stage timer the allocation failed in (perf/timer.py tags the exception: text_encode,
 rollout, decode, reward, train, weight_sync, ...), else the trainer's phase (evaluation, checkpoint save). The keys
-are the stage's own levers, each a step smaller than the run's (`stage_levers`).
+are the memory plan's first change that fits the card (`fixes`, on a GPU), else the stage's own levers, each a step
+smaller than the run's (`stage_levers`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,23 @@ def stage_levers(cfg, stage: str) -> list[str]:
     return keys
 
 
+def fixes(cfg, stage: str, card_gib: float | None) -> list[str]:
+    """The memory plan's first change that fits the card (trainer/memory_plan.py), else the stage's levers."""
+    if cfg is None:
+        return []
+    if card_gib:
+        from .memory_plan import smallest_fix
+
+        try:
+            rollout = stage.split(" ")[0] in ROLLOUT_STAGES
+            found = smallest_fix(cfg, card_gib, ("rollout.", "actor.backend", "parallel.") if rollout else ("",))
+        except Exception:  # the plan needs the checkpoint's headers; the stage's levers need nothing
+            found = None
+        if found:
+            return found
+    return stage_levers(cfg, stage)
+
+
 def out_of_memory(error: BaseException, stage: str, cfg, note: str = "") -> OutOfDeviceMemory:
     """The one-line error for an out-of-memory in `stage` (`note`: what the run saved, the resume command)."""
     asked, free = oom_sizes(str(error))
@@ -63,7 +81,7 @@ def out_of_memory(error: BaseException, stage: str, cfg, note: str = "") -> OutO
         free = device[0]
     sizes = ", ".join(s for s in (f"asked {asked:.2f} GiB" if asked is not None else "",
                                   f"free {free:.2f} GiB" if free is not None else "") if s)
-    keys = stage_levers(cfg, stage) if cfg is not None else []
+    keys = fixes(cfg, stage, device[1] if device is not None else None)
     line = (f"out of GPU memory in {stage}" + (f" ({sizes})" if sizes else "")
             + (f"; try {' or '.join(keys)}" if keys else ""))
     return OutOfDeviceMemory(line + (f"\n{note}" if note else ""))

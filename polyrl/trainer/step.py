@@ -209,9 +209,16 @@ def train_step(stages: Stages, cfg, step: int) -> dict:
     return metrics
 
 
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """On a GPU, the most this rank's allocator has held since the run started (`memory/peak_gib`)."""
+    return {"memory/peak_gib": torch.cuda.max_memory_allocated(device) / 2**30} if device.type == "cuda" else {}
+
+
 def timings(stages: Stages, cfg, timer: StageTimer, flops_before: float) -> dict[str, float]:
-    """The step's stage seconds, and its FLOPs and MFU where the model counts them (summed over ranks)."""
+    """The step's stage seconds, its FLOPs and MFU where the model counts them (summed over ranks), and on a GPU the
+    peak memory so far (rank 0's)."""
     engine, out = stages.engine, timer.times
+    out.update(peak_memory(engine.device))
     flops = getattr(stages.actor.adapter, "flops", 0.0) - flops_before
     step_flops = float(engine.sum(torch.tensor(flops, dtype=torch.float64, device=engine.device)))
     if step_flops > 0:
@@ -233,4 +240,5 @@ def pair_step(stages: Stages, cfg, step: int, pairs) -> dict:
             batch = pairs.batch(stages.actor.adapter, rows)
         with timer("train"):
             stats = stages.update(batch, step_generator(cfg.trainer.seed, step, UPDATE_STREAM))
-    return {"step": step + 1, **stats, "lr": stages.actor.optimizer.param_groups[0]["lr"], **timer.times}
+    return {"step": step + 1, **stats, "lr": stages.actor.optimizer.param_groups[0]["lr"], **timer.times,
+            **peak_memory(stages.engine.device)}
