@@ -260,8 +260,8 @@ ROWS = [
         [*TINY_COMMON, *VIDEO_TINY, *LORA_TINY, "rollout.num_steps=10", "rollout.sde_window_range=[6,7]"],
         published=bench_builder("wan22_a14b"), workload="wan22_a14b",
         published_args=["data.prompts_per_step=1", "rollout.n=4", "actor.num_minibatches=1",
-                        "rollout.sde_window_range=[6,6]"],
-        note="published: 1 prompt × 4 videos, a window that trains both experts"),
+                        "rollout.sde_window_range=[6,6]", "model.compile=none"],
+        note="published: 1 prompt × 4 videos, a window that trains both experts, eager (compiled: 83 GiB measured)"),
     Row("wan22_ti2v_flowgrpo", "i2v", tiny_wan(layout="wan2.2-ti2v", image_to_video=True),
         [*TINY_COMMON, *VIDEO_TINY, "rollout.height=64", "rollout.num_frames=9"], published=published_ti2v, workload="wan22_5b",
         export="merge",
@@ -599,6 +599,43 @@ def run_row(row: Row, out: Path, tiny: bool, device: str, peak_tflops: float | N
     return result
 
 
+def plan_rows(names: list[str], card_gib: float, margin: float = 0.95) -> list[dict]:
+    """The memory plan of every published row's config on one GPU of `card_gib`, from its checkpoint built on the meta
+    device (no memory, no files): whether the row fits (within `margin` of the card: the plan's error on the
+    recorded runs reaches ±10%), else the plan's smallest change and its GPUs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from plan_calibration import meta_inventory
+
+    from polyrl.config import load_config
+    from polyrl.trainer.memory_plan import estimate, fits
+
+    out = []
+    for name in names:
+        row = BY_NAME[name]
+        if row.published is None:
+            out.append({"recipe": name, "plan": "no published-size builder: the GPU call runs its tiny checkpoint"})
+            continue
+        inventory = meta_inventory(row.workload if row.recipe != "wan22_ti2v_flowgrpo" else "wan22_ti2v")
+        data = ["data.pairs_path=/nonexistent.jsonl"] if row.data == "pairs" else []
+        overrides = [f"recipe={name}", "model.path=/nonexistent", "data.path=/nonexistent.txt", *data,
+                     *[a for a in row.reward if "=" in a], *row.published_args]
+        try:
+            cfg = load_config(overrides)
+        except Exception as e:
+            out.append({"recipe": name, "plan": f"config: {e}"[:200]})
+            continue
+        prompt_tokens = 256 if row.workload == "grpo_lm" else None
+        plan = estimate(cfg, inventory, 1, prompt_tokens=prompt_tokens)
+        item = {"recipe": name, "plan_gib": round(plan.peak_gib, 1), "fits": plan.peak_gib <= margin * card_gib,
+                "overrides": row.published_args, "calibration": plan.calibration}
+        if not item["fits"]:
+            found = fits(cfg, inventory, margin * card_gib)
+            item["change"] = None if found is None else {"overrides": found[0], "gpus": found[1],
+                                                         "plan_gib": round(found[2].peak_gib, 1)}
+        out.append(item)
+    return out
+
+
 def run_deterministic(name: str, out: Path, tiny: bool, device: str, in_process: bool) -> dict:
     """Two 2-step runs with trainer.deterministic=true (bit-identical checkpoints?) and one without (the cost)."""
     from polyrl.trainer.checkpoint_compare import checkpoint_differences
@@ -717,9 +754,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the CLI stages in this process (no interpreter start per stage: the CI test)")
     p.add_argument("--deterministic", action="store_true", help="the bit-identity check (issue 47 item 4)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when there is one, cpu with --tiny)")
+    p.add_argument("--plan-only", type=float, default=None, metavar="GIB",
+                   help="print the memory plan of every published row on one GPU of GIB GiB, run nothing")
     a, extra = p.parse_known_args(argv)
     import torch
 
+    if a.plan_only is not None:
+        names = a.only.split(",") if a.only else real_recipes()
+        for item in plan_rows(names, a.plan_only):
+            print(json.dumps(item))
+        return 0
     device = a.device or ("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -748,10 +792,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu_matrix: no row for {', '.join(unknown)} (rows: {', '.join(BY_NAME)})", file=sys.stderr)
             return 2
         done = {r["recipe"]: r for r in report["rows"]}
+        plans = {}
+        if device == "cuda" and not a.tiny:  # rows whose plan does not fit this card are not run: their layout instead
+            card_gib = torch.cuda.mem_get_info()[1] / 2**30
+            plans = {item["recipe"]: item for item in plan_rows(names, card_gib)}
         for name in names:
+            item = plans.get(name, {})
+            if item.get("fits") is False:
+                change = item.get("change")
+                layout = ("no single change the plan knows fits" if change is None else
+                          f"{' '.join(change['overrides'])} on {change['gpus']} GPU(s): {change['plan_gib']} GiB each")
+                done[name] = {"recipe": name, "size": "published", "device": device, "plan_gib": item["plan_gib"],
+                              "not_run": f"the plan needs {item['plan_gib']} GiB on this card; {layout}",
+                              "stand_ins": BENCH_STAND_INS[BY_NAME[name].workload]}
+                print(f"gpu_matrix: {name}: not run ({done[name]['not_run']})", file=sys.stderr, flush=True)
+                continue
             print(f"gpu_matrix: {name} ...", file=sys.stderr, flush=True)
             done[name] = run_row(BY_NAME[name], out, a.tiny, device, peak, a.in_process, extra)
-            st = done[name]["stages"]
+            st = done[name].get("stages", {})
             print(f"gpu_matrix: {name}: " + ", ".join(f"{k} {v['status']}" for k, v in st.items()), file=sys.stderr,
                   flush=True)
         report["rows"] = [done[n] for n in sorted(done)]

@@ -95,9 +95,12 @@ def meta_inventory(workload: str) -> dict:
         pipe = build_tiny_sd3(sd35_medium_spec(words), device="meta")
     elif workload == "qwen_image":
         pipe = build_tiny_qwen_image(qwen_image_bench_spec(words), device="meta", dtype=torch.bfloat16)
-    elif workload in ("wan22_5b", "wan22_a14b"):
-        layout = "wan2.2-ti2v" if workload == "wan22_5b" else "wan2.2-a14b"
-        pipe = build_tiny_wan(wan_bench_spec(words, layout), device="meta", dtype=torch.bfloat16)
+    elif workload in ("wan22_5b", "wan22_ti2v", "wan22_a14b"):
+        import dataclasses
+
+        spec = wan_bench_spec(words, "wan2.2-a14b" if workload == "wan22_a14b" else "wan2.2-ti2v")
+        spec = dataclasses.replace(spec, image_to_video=workload == "wan22_ti2v")  # TI2V-5B as image-to-video
+        pipe = build_tiny_wan(spec, device="meta", dtype=torch.bfloat16)
     elif workload == "grpo_lm":
         from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -309,7 +309,8 @@ def estimate(cfg, inventory: dict[str, Network], gpus: int = 1, prompt_tokens: i
     n_blocks, width = max((blocks(inventory[n]) for n in trained), key=lambda x: x[0] * x[1])
     length, response = token_lengths(cfg, family, inventory, prompt_tokens)
     dp = max(1, gpus // (tp * sp))
-    per_rank = max(1, cfg.data.prompts_per_step * r.n // max(1, a.num_minibatches) // dp)
+    samples = cfg.data.prompts_per_step * (2 if cfg.data.get("pairs_path") else r.n)  # offline pairs: chosen + rejected
+    per_rank = max(1, samples // max(1, a.num_minibatches) // dp)
     micro = min(int(a.micro_batch_size) or per_rank, per_rank)
     cfg_rows = 2 if (r.guidance_scale > 1 and family not in GUIDANCE_EMBEDDED and kind != "lm") else 1
     train_rows = micro * (cfg_rows if getattr(algo, "uses_log_probs", False) else 1)
