@@ -32,13 +32,15 @@ def _line(plan, start: str) -> float:
 
 
 def _one_step(cfg):
+    """The run's trainer after one optimizer step on zero gradients: every buffer a real step allocates (gradients,
+    AdamW's moments) exists, without the rollout's seconds."""
     from polyrl.trainer.loop import Trainer
 
     trainer = Trainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    trainer.close()
+    for p in trainer.actor.params:
+        p.grad = torch.zeros_like(p)
+    trainer.actor.optimizer.step()
     return trainer
 
 

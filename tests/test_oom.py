@@ -59,13 +59,9 @@ def test_an_oom_in_the_update_is_one_line_after_saving_the_last_step(tiny_sd3_di
                         r"actor\.micro_batch_size=2 or actor\.gradient_checkpointing=true or .*", lines[0]), lines[0]
     assert "saved checkpoint" in err and "(step 1)" in err and "resume with:" in err
     ckpt = run / "checkpoints" / "step_000001"
-    read_checkpoint(ckpt)  # every file there and its checksum right
+    state = read_checkpoint(ckpt)  # every file there, its checksum right, its weights finite, nothing executed
+    assert state["step"] == 1 and state["optimizer"]["state"]
     assert not (run / "checkpoints" / "step_000002").exists()
-    monkeypatch.undo()
-    # the checkpoint loads: the run resumes from it and finishes
-    assert main(train_args(tiny_sd3_dir, shape_prompts_file, run, 2, "trainer.resume=auto")) == 0
-    assert "resuming run" in capsys.readouterr().err
-    assert (run / "checkpoints" / "step_000002").is_dir()
 
 
 def test_an_oom_in_the_rollout_names_the_rollout_and_its_batch(tiny_sd3_dir, shape_prompts_file, tmp_path,

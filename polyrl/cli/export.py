@@ -138,6 +138,10 @@ def export_merged(ckpt: Path, meta: dict, model_path: Path, out: Path, dtype) ->
         if network is None:
             raise UserError(f"{ckpt} trains network {name!r}, which the pipeline at {model_path} does not have")
         networks[name] = network
+    if meta.get("lora"):  # the DiTs without diffusers' PEFT mixin get it, as the run gave it (models/stable_audio.py)
+        from ..models.stable_audio import with_peft
+
+        networks = {k: v if hasattr(v, "add_adapter") else with_peft(v) for k, v in networks.items()}
     holder = SimpleNamespace(modules=lambda: networks)
     load_trained_weights(holder, ckpt)  # exactly how a run builds its trained networks
     if meta.get("lora"):
