@@ -57,6 +57,7 @@ TINY_COMMON = ["model.dtype=float32", "model.compile=none", "rollout.n=2", "data
 LORA_TINY = ["actor.lora_rank=4", "actor.lora_alpha=8"]
 IMAGE_TINY = ["rollout.height=32", "rollout.width=32", "rollout.num_steps=3", "rollout.batch_size=4",
               "actor.micro_batch_size=2", "actor.num_minibatches=1"]
+IMAGE_TINY_STEPS = [a for a in IMAGE_TINY if not a.startswith("rollout.num_steps=")]
 VIDEO_TINY = ["rollout.height=32", "rollout.width=32", "rollout.num_frames=5", "rollout.num_steps=3",
               "rollout.batch_size=4", "actor.micro_batch_size=2", "actor.num_minibatches=1", "reward.frames=2",
               "model.max_sequence_length=16", "rollout.sde_window_range=[0,1]"]
@@ -228,6 +229,24 @@ ROWS = [
     Row("sd35m_flowgrpo_bench", "prompts", tiny_sd3,
         [*TINY_COMMON, *IMAGE_TINY, *LORA_TINY, "model.max_sequence_length=16", "rollout.sde_window_size=2"],
         published=bench_builder("sd35m"), workload="sd35m"),
+    *[Row(recipe, "prompts", tiny_sd3, [*TINY_COMMON, *IMAGE_TINY_STEPS, *LORA_TINY, "model.max_sequence_length=16"],
+          published=bench_builder("sd35m"), workload="sd35m", published_args=["data.prompts_per_step=2"],
+          note="the recipe's own rollout steps (its time sampling reads them)")
+      for recipe in ("sd35_nft", "sd35_nft_pickscore", "sd35_awm", "sd35_dgpo")],
+    Row("qwen_image_nft", "prompts", tiny_qwen_image,
+        [*TINY_COMMON, *IMAGE_TINY_STEPS, *LORA_TINY, "model.max_sequence_length=16", "rollout.num_steps=10"],
+        published=bench_builder("qwen_image"), workload="qwen_image",
+        published_args=["data.prompts_per_step=1", "actor.micro_batch_size=2"],
+        note="published: 1 prompt × 16 images, 2 per training call, eager without checkpointing (an 80 GB card)"),
+    Row("flux_nft", "prompts", tiny_flux("dev"), [*TINY_COMMON, *IMAGE_TINY_STEPS, *LORA_TINY,
+                                                  "model.max_sequence_length=16"]),
+    Row("wan21_nft", "prompts", tiny_wan(layout="wan2.1"),
+        [*TINY_COMMON, *IMAGE_TINY_STEPS, *LORA_TINY, "model.max_sequence_length=16"]),
+    Row("qwen3_omni_speech_grpo", "math", tiny_from_tests("omni_speech_tiny", "save_tiny_omni"),
+        [*TOKEN_TINY, "model.options.max_speech_frames=6", "actor.lora_rank=0", "rollout.max_new_tokens=4"],
+        reward=["reward=format", "reward.pattern='.*[a-m].*'"],
+        export="n/a: a transformers model (polyrl export writes diffusers pipelines)",
+        note="full fine-tune here (the speech stack's tiny LoRA targets are the tests'); reward format"),
     Row("qwen_image_flowgrpo", "prompts", tiny_qwen_image,
         [*TINY_COMMON, *IMAGE_TINY, *LORA_TINY, "model.max_sequence_length=16", "rollout.sde_window_range=[0,1]",
          "actor.gradient_checkpointing=false"],

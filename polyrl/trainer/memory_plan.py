@@ -153,7 +153,9 @@ def estimate(cfg, inventory: dict[str, Network], gpus: int = 1, prompt_tokens: i
     family = cfg.model.name
     a, r = cfg.actor, cfg.rollout
     dtype_b = DTYPE_BYTES.get(str(cfg.model.dtype), 4)
-    algo = build_algorithm(dict(cfg.algorithm))
+    from omegaconf import OmegaConf
+
+    algo = build_algorithm(OmegaConf.to_container(cfg.algorithm, resolve=True))
     lora = a.lora_rank > 0
     sharded = a.backend in ("fsdp2", "veomni")
     tp, sp = max(1, int(cfg.parallel.tp)), max(1, int(cfg.parallel.sp))
