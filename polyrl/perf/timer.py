@@ -30,7 +30,10 @@ class StageTimer:
                 yield
         except BaseException as e:  # the innermost stage a failure happened in, for its message (trainer/oom.py)
             if not hasattr(e, "polyrl_stage"):
-                e.polyrl_stage = name
+                try:
+                    e.polyrl_stage = name
+                except AttributeError:  # an exception type without attributes of its own: no stage to name
+                    pass
             raise
         finally:
             self._sync()
