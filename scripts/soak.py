@@ -4,6 +4,11 @@ number but times) equal to an uninterrupted deterministic run's of the same leng
 
     nice -n 19 python scripts/soak.py --minutes 30                 # rounds of 16 steps, faults at random steps
     python scripts/soak.py --minutes 5 --steps 8 --seed 1 --workdir /tmp/soak
+    nice -n 19 python scripts/soak.py --minutes 30 --nproc 2 --backend fsdp2     # two ranks under torchrun
+
+With --nproc 2 every run (the reference too) is `torchrun --standalone --nproc-per-node=2 -m polyrl train ...` on
+gloo, each rank's output in its own file (torchrun's --log-dir / --redirects), and `--backend fsdp2` shards the
+weights over the two ranks (`actor.backend=fsdp2 parallel.dp_shard=2`).
 
 Faults (each round draws 2-4 of them, every kind equally often, at distinct random steps):
     reward_blip    the reward server (reward=http, `polyrl serve-reward reward=shapes`) killed -9 and restarted
@@ -17,7 +22,17 @@ Faults (each round draws 2-4 of them, every kind equally often, at distinct rand
                    to 2 MiB from full: less than a checkpoint); expected: one `polyrl: error: disk full: ...` line,
                    no traceback, exit 2; the disk is freed and the run resumed. Without root (no tmpfs) the
                    checkpoint writer fails with ENOSPC instead.
-Every run resumes with trainer.resume=auto. The summary (faults, exits, checks) is printed and written as JSON to
+    eval_outage    the reward server killed -9 as a held-out evaluation starts (scripts/soak_faults.py, inside the
+                   run): the trained step is saved with its evaluation due, exit 3; resumed, the step is evaluated
+    eval_sigterm   SIGTERM (to the launcher) as an evaluation starts: the step is saved with its evaluation due
+                   (sharded ranks finish the evaluation first), exit 143; resumed
+    eval_kill9     kill -9 of the (rank 0) process as an evaluation starts; resumed from the last checkpoint
+    eval_disk_full the disk filled (to 0 B) as an evaluation writes its samples: one `polyrl: error: disk full:
+                   could not write the samples of step N ...` line, exit 2; freed, resumed
+    rank_kill      (--nproc 2) kill -9 of a random rank: the surviving rank prints one line, `polyrl: stopped:
+                   rank R (pid P) exited (signal 9) at step k of N; ...`, no traceback; resumed
+With --nproc 2, `sigterm` goes to torchrun (which signals both ranks), and each fault's line must be printed once,
+by one rank. Every run resumes with trainer.resume=auto. The summary (faults, exits, checks) is printed and written as JSON to
 <workdir>/soak.json; the exit code is 0 only when every round passed.
 """
 
@@ -27,6 +42,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -40,7 +56,9 @@ from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
 FAULT_MODULE = REPO / "scripts" / "soak_faults.py"
-FAULTS = ("reward_blip", "reward_outage", "sigterm", "kill9_save", "disk_full")
+FAULTS = ("reward_blip", "reward_outage", "sigterm", "kill9_save", "disk_full", "eval_outage", "eval_sigterm",
+          "eval_kill9", "eval_disk_full", "rank_kill")
+IN_PROCESS = ("kill9_save", "eval_outage", "eval_sigterm", "eval_kill9", "eval_disk_full")  # armed by soak_faults
 KILL_POINTS = ("kill_weights", "kill_state", "kill_fsync", "kill_rotate")
 KEEP = 2  # trainer.keep_checkpoints of the soak's runs (with keep_best)
 
@@ -57,6 +75,42 @@ def free_port() -> int:
 
 def polyrl(*args: str) -> list[str]:
     return [sys.executable, "-m", "polyrl", *args]
+
+
+class Launch:
+    """How the soak starts a training run: one process, or torchrun with `nproc` ranks whose outputs go to files
+    under a log directory (`output` reads them back, rank by rank)."""
+
+    def __init__(self, nproc: int, backend: str):
+        self.nproc, self.backend = nproc, backend
+
+    def command(self, args: list[str], logs: Path) -> list[str]:
+        if self.nproc == 1:
+            return polyrl(*args)
+        layout = ["actor.backend=fsdp2", f"parallel.dp_shard={self.nproc}"] if self.backend == "fsdp2" else []
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}",
+                f"--log-dir={logs}", "--redirects=3", "-m", "polyrl", *args, *layout]
+
+    def output(self, log: Path) -> str:
+        """What the ranks wrote to stderr (one process: its stderr file; torchrun: each rank's file, in order)."""
+        if self.nproc == 1:
+            return log.read_text(errors="replace") if log.is_file() else ""
+        files = sorted(log.with_suffix("").glob("*/attempt_*/*/stderr.log"), key=lambda p: int(p.parent.name))
+        return "".join(f.read_text(errors="replace") for f in files)
+
+    def rank_pids(self, proc: subprocess.Popen) -> dict[int, int]:
+        """rank -> pid of torchrun's workers (its children, read from /proc)."""
+        out = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != proc.pid:
+                    continue
+                env = dict(v.split("=", 1) for v in (stat.parent / "environ").read_bytes().decode().split("\0")
+                           if "=" in v)
+                out[int(env["RANK"])] = int(stat.parent.name)
+            except (OSError, ValueError, KeyError, IndexError):
+                continue
+        return out
 
 
 def child_env(extra: dict | None = None) -> dict:
@@ -162,26 +216,26 @@ def final_weights(run_dir: Path, steps: int) -> dict:
     return load_file(str(run_dir / "checkpoints" / f"step_{steps:06d}" / "adapter_model.safetensors"))
 
 
-def attempt(args: list[str], run_dir: Path, log: Path, faults: list[dict], server: RewardServer, disk: Disk,
-            extra_env: dict) -> tuple[int, str, dict | None]:
-    """One `polyrl train` process. `faults`: the round's pending faults, in step order; the reward blips before the
-    first other fault are injected in this process once it has trained a step and reached theirs (each marked
-    absorbed when the run goes on), then that other fault, which should end the process (an external one injected here, a
-    kill9_save / patched ENOSPC armed through `extra_env`). Returns (exit code, stderr, the fault injected that
-    should have ended the process, or None)."""
+def attempt(launch: Launch, args: list[str], run_dir: Path, log: Path, faults: list[dict], server: RewardServer,
+            disk: Disk, extra_env: dict) -> tuple[int, str, dict | None]:
+    """One `polyrl train` launch (a process, or torchrun and its ranks). `faults`: the round's pending faults, in
+    step order; the reward blips before the first other fault are injected in this launch once it has trained a
+    step and reached theirs (each marked absorbed when the run goes on), then that other fault, which should end
+    it (an external one injected here, an in-process one armed through `extra_env`). Returns (exit code, what the
+    ranks wrote to stderr, the fault injected that should have ended the launch, or None)."""
     with open(log, "w") as err:
-        proc = subprocess.Popen(polyrl(*args), env=child_env(extra_env), stdout=subprocess.DEVNULL, stderr=err,
-                                cwd=REPO)
+        proc = subprocess.Popen(launch.command(args, log.with_suffix("")), env=child_env(extra_env),
+                                stdout=subprocess.DEVNULL, stderr=err, cwd=REPO)
     ending = next((f for f in faults if f["kind"] != "reward_blip"), None)
     blips = [f for f in faults if f["kind"] == "reward_blip" and (ending is None or f["step"] < ending["step"])]
-    armed = ending is not None and ending["kind"] in ("kill9_save",) or (
+    armed = ending is not None and ending["kind"] in IN_PROCESS or (
         ending is not None and ending["kind"] == "disk_full" and not disk.tmpfs)
     injected, baseline = None, None
     try:
         while proc.poll() is None:
             time.sleep(0.2)
-            if baseline is None:  # faults wait for this process to train a step (signal handlers installed)
-                if "polyrl: run directory" in log.read_text(errors="replace"):
+            if baseline is None:  # faults wait for this launch to train a step (signal handlers installed)
+                if "polyrl: run directory" in launch.output(log):
                     baseline = last_step(run_dir)  # after the resume's truncation of metrics.jsonl
                 continue
             step = last_step(run_dir)
@@ -200,34 +254,66 @@ def attempt(args: list[str], run_dir: Path, log: Path, faults: list[dict], serve
             if kind == "reward_outage":
                 server.kill()
                 ending["note"] = f"server killed at step {step}"
-            elif kind == "sigterm":
+            elif kind == "sigterm":  # to torchrun with --nproc 2
                 proc.send_signal(signal.SIGTERM)
+            elif kind == "rank_kill":
+                pid = launch.rank_pids(proc).get(ending["rank"])
+                if pid is None:
+                    injected = None  # not running (yet): tried again at the next poll
+                    continue
+                ending["pid"] = pid
+                os.kill(pid, signal.SIGKILL)
+                ending["note"] = f"rank {ending['rank']} (pid {pid}) killed -9 at step {step}"
             elif kind == "disk_full":
                 ending["note"] = f"filled {disk.fill(ending['leave'])} bytes at step {step}, {ending['leave']} left free"
         if armed and proc.returncode != 0:
             injected = ending
-        return proc.returncode, log.read_text(errors="replace"), injected
+        return proc.returncode, launch.output(log), injected
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
-def expected(kind: str, code: int, err: str) -> tuple[bool, str]:
-    """Whether a process that a fault of `kind` ended ended as it should, and why not."""
+def expected(kind: str, code: int, err: str, fault: dict, launch: Launch) -> tuple[bool, str]:
+    """Whether a launch that a fault of `kind` ended ended as it should, and why not. One process: its exit code
+    and lines. Several ranks: torchrun exits non-zero, and the fault's line is printed once, by one rank."""
     errors = [line for line in err.splitlines() if line.startswith("polyrl: error:")]
+    stops = [line for line in err.splitlines() if line.startswith(("polyrl: stopped", "polyrl: error"))]
     if "Traceback" in err:
         return False, "a traceback"
-    if kind == "reward_outage":
-        return code == 3 and "polyrl: stopped:" in err, f"exit {code}"
-    if kind == "sigterm":
-        return code == 128 + signal.SIGTERM and "stopped by SIGTERM" in err, f"exit {code}"
-    if kind == "kill9_save":
-        return code == -signal.SIGKILL and "soak_faults: SIGKILL" in err, f"exit {code}"
-    if kind == "disk_full":
-        ok = code == 2 and len(errors) == 1 and errors[0].startswith("polyrl: error: disk full:")
-        return ok, f"exit {code}, error lines {errors}"
-    return False, f"exit {code} (the run should not have stopped)"
+    if kind.startswith("eval_") and f"soak_faults: {kind}" not in err and "the disk fills as the samples" not in err:
+        return False, "the fault did not fire in an evaluation"
+    redone = "its evaluation runs again on resume"
+    if launch.nproc == 1:
+        if kind in ("reward_outage", "eval_outage"):
+            return code == 3 and "polyrl: stopped:" in err and (kind == "reward_outage" or redone in err), f"exit {code}"
+        if kind in ("sigterm", "eval_sigterm"):
+            return (code == 128 + signal.SIGTERM and "stopped by SIGTERM" in err
+                    and (kind == "sigterm" or redone in err)), f"exit {code}"
+        if kind in ("kill9_save", "eval_kill9"):
+            return code == -signal.SIGKILL and "soak_faults: SIGKILL" in err, f"exit {code}"
+        if kind in ("disk_full", "eval_disk_full"):
+            ok = code == 2 and len(errors) == 1 and errors[0].startswith("polyrl: error: disk full:")
+            return ok and (kind == "disk_full" or "samples of step" in errors[0]), f"exit {code}, error lines {errors}"
+        return False, f"exit {code} (the run should not have stopped)"
+    why = f"torchrun exit {code}, lines {stops}"
+    if code == 0 or len(stops) != 1:
+        return False, why
+    line = stops[0]
+    if kind in ("reward_outage", "eval_outage"):
+        return line.startswith("polyrl: stopped: "), why
+    if kind in ("sigterm", "eval_sigterm"):
+        return "stopped by SIGTERM" in line, why
+    if kind in ("kill9_save", "eval_kill9"):
+        return "soak_faults: SIGKILL" in err and re.match(r"polyrl: stopped: rank 0 \(pid \d+\) exited \(signal 9\) "
+                                                         r"at step \d+ of \d+; ", line) is not None, why
+    if kind == "rank_kill":
+        return line.startswith(f"polyrl: stopped: rank {fault['rank']} (pid {fault.get('pid')}) exited (signal 9) "
+                               "at step "), why
+    if kind in ("disk_full", "eval_disk_full"):
+        return line.startswith("polyrl: error: disk full:") and (kind == "disk_full" or "samples of step" in line), why
+    return False, why
 
 
 _BAG: list[str] = []
@@ -241,7 +327,7 @@ def draw_kind(rng: random.Random, kinds: tuple[str, ...]) -> str:
 
 
 def run_round(i: int, rng: random.Random, steps: int, work: Path, disk: Disk, server: RewardServer,
-              reference: Path, kinds: tuple[str, ...] = FAULTS) -> dict:
+              reference: Path, kinds: tuple[str, ...], launch: Launch) -> dict:
     run_dir = disk.root / f"round_{i:03d}"
     logs = work / "logs" / f"round_{i:03d}"
     logs.mkdir(parents=True, exist_ok=True)
@@ -252,6 +338,10 @@ def run_round(i: int, rng: random.Random, steps: int, work: Path, disk: Disk, se
             f["point"] = rng.choice(KILL_POINTS)
         if f["kind"] == "disk_full":  # 0 B: the next write of any size fails; else less than a checkpoint (2.3 MiB)
             f["leave"] = rng.choice([0, rng.randrange(4096, 2 * 2**20)])
+        if f["kind"] == "eval_disk_full":  # full as the samples are written
+            f["leave"] = 0
+        if f["kind"] == "rank_kill":
+            f["rank"] = rng.randrange(launch.nproc)
     say(f"round {i}: {steps} steps, faults " + ", ".join(f"{f['kind']}@{f['step']}" for f in faults))
     pending, processes, outcome = list(faults), 0, {"round": i, "faults": faults, "problems": []}
     t0 = time.monotonic()
@@ -262,9 +352,15 @@ def run_round(i: int, rng: random.Random, steps: int, work: Path, disk: Disk, se
             env["POLYRL_SOAK_FAULT"] = f"{ending['point']}:{ending['step']}"
         if ending is not None and ending["kind"] == "disk_full" and not disk.tmpfs:
             env["POLYRL_SOAK_FAULT"] = f"enospc:{ending['step']}"
+        if ending is not None and ending["kind"].startswith("eval_"):
+            env["POLYRL_SOAK_FAULT"] = f"{ending['kind']}:{ending['step']}"
+            env["POLYRL_SOAK_SERVER_PID"] = str(server.proc.pid)
+            if ending["kind"] == "eval_disk_full" and disk.tmpfs:
+                env["POLYRL_SOAK_FILL"] = f"{disk.filler}:{ending['leave']}"
         args = train_args(run_dir, steps, server.port) + (["--import", str(FAULT_MODULE)] if env else [])
         processes += 1
-        code, err, fault = attempt(args, run_dir, logs / f"process_{processes:02d}.err", pending, server, disk, env)
+        code, err, fault = attempt(launch, args, run_dir, logs / f"process_{processes:02d}.err", pending, server,
+                                   disk, env)
         disk.free_up()  # after any exit: the disk freed, the reward server up again
         if server.proc is None or server.proc.poll() is not None:
             server.start()
@@ -284,7 +380,7 @@ def run_round(i: int, rng: random.Random, steps: int, work: Path, disk: Disk, se
             if processes > 3 * len(faults) + 3:
                 break
             continue
-        ok, why = expected(fault["kind"], code, err)
+        ok, why = expected(fault["kind"], code, err, fault, launch)
         fault["result"] = f"exit {code}" + ("" if ok else f" UNEXPECTED ({why})")
         fault["stopped_at"] = last_step(run_dir)
         lines = [line for line in err.splitlines() if line.startswith(("polyrl: error:", "polyrl: stopped:"))]
@@ -331,12 +427,19 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=16, help="training steps per round")
     p.add_argument("--seed", type=int, default=0, help="seed of the fault schedule (training's seed is fixed)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/polyrl_soak"))
-    p.add_argument("--tmpfs-mb", type=int, default=32)
-    p.add_argument("--faults", default=",".join(FAULTS), help="the kinds to draw from, comma-separated")
+    p.add_argument("--tmpfs-mb", type=int, default=64)
+    p.add_argument("--nproc", type=int, default=1, help="ranks per run (> 1: torchrun on gloo)")
+    p.add_argument("--backend", choices=("local", "fsdp2"), default="local", help="actor.backend with --nproc > 1")
+    p.add_argument("--faults", default=None, help="the kinds to draw from, comma-separated (default: all; "
+                                                  "rank_kill only with --nproc > 1)")
     a = p.parse_args()
-    kinds = tuple(k for k in a.faults.split(",") if k)
-    if not kinds or set(kinds) - set(FAULTS):
-        p.error(f"--faults: give some of {', '.join(FAULTS)}")
+    launch = Launch(a.nproc, a.backend)
+    kinds = tuple(k for k in (a.faults or ",".join(FAULTS)).split(",") if k and (a.faults or k != "rank_kill"
+                                                                                   or a.nproc > 1))
+    if not kinds or set(kinds) - set(FAULTS) or ("rank_kill" in kinds and a.nproc < 2):
+        p.error(f"--faults: give some of {', '.join(FAULTS)} (rank_kill with --nproc > 1)")
+    if a.backend == "fsdp2" and a.nproc < 2:
+        p.error("--backend fsdp2 needs --nproc 2 or more")
     if a.steps < 4:
         p.error("--steps must be >= 4")
     shutil.rmtree(a.workdir, ignore_errors=True)
@@ -345,16 +448,17 @@ def main() -> int:
     deadline = time.monotonic() + a.minutes * 60
     server = RewardServer(free_port(), a.workdir / "reward_server.log")
     disk = Disk(a.workdir / "disk", a.tmpfs_mb)
-    summary = {"steps": a.steps, "seed": a.seed, "minutes": a.minutes, "tmpfs": disk.tmpfs, "faults": kinds,
-               "rounds": []}
+    summary = {"steps": a.steps, "seed": a.seed, "minutes": a.minutes, "nproc": a.nproc, "backend": a.backend,
+               "tmpfs": disk.tmpfs, "faults": kinds, "load_start": os.getloadavg(), "rounds": []}
     t0 = time.monotonic()
     try:
         server.start()
         say(f"reward server on port {server.port}; run directories on "
             + (f"a {a.tmpfs_mb} MiB tmpfs" if disk.tmpfs else "the plain disk (no tmpfs: ENOSPC is patched in)"))
         reference = a.workdir / "reference"
-        code = subprocess.run(polyrl(*train_args(reference, a.steps, server.port)), env=child_env(), cwd=REPO,
-                              stdout=subprocess.DEVNULL, stderr=open(a.workdir / "reference.err", "w")).returncode
+        code = subprocess.run(launch.command(train_args(reference, a.steps, server.port), a.workdir / "reference_logs"),
+                              env=child_env(), cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=open(a.workdir / "reference.err", "w")).returncode
         if code != 0:
             say(f"the uninterrupted reference run failed ({code}); see {a.workdir / 'reference.err'}")
             return 1
@@ -362,7 +466,8 @@ def main() -> int:
         say(f"reference run of {a.steps} steps: {summary['reference_seconds']} s")
         i = 0
         while i == 0 or time.monotonic() < deadline:  # at least one round
-            summary["rounds"].append(run_round(i, rng, a.steps, a.workdir, disk, server, reference, kinds))
+            summary["rounds"].append(run_round(i, rng, a.steps, a.workdir, disk, server, reference, kinds, launch))
+            summary["rounds"][-1]["load"] = os.getloadavg()  # 1, 5, 15 minutes (the machine may be shared)
             i += 1
             (a.workdir / "soak.json").write_text(json.dumps(summary, indent=1))
     finally:
@@ -370,14 +475,15 @@ def main() -> int:
         disk.close()
     rounds = summary["rounds"]
     faults = [f for r in rounds for f in r["faults"]]
-    counts = {k: sum(f["kind"] == k and ("note" in f or "exit" in f.get("result", "")) for f in faults) for k in FAULTS}
+    counts = {k: sum(f["kind"] == k and ("note" in f or "exit" in f.get("result", "")) for f in faults) for k in kinds}
     summary["faults_injected"] = counts
     summary["seconds"] = round(time.monotonic() - t0, 1)
     summary["passed"] = bool(rounds) and all(r["passed"] for r in rounds)
     (a.workdir / "soak.json").write_text(json.dumps(summary, indent=1))
+    loads = [summary["load_start"][0]] + [r["load"][0] for r in rounds]
     say(f"{len(rounds)} rounds in {summary['seconds']:.0f} s, faults injected {counts}: "
-        f"{sum(r['passed'] for r in rounds)} passed, {sum(not r['passed'] for r in rounds)} failed "
-        f"(summary: {a.workdir / 'soak.json'})")
+        f"{sum(r['passed'] for r in rounds)} passed, {sum(not r['passed'] for r in rounds)} failed; "
+        f"load (1 min) {min(loads):.1f}-{max(loads):.1f} (summary: {a.workdir / 'soak.json'})")
     return 0 if summary["passed"] else 1
 
 

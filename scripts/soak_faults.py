@@ -8,6 +8,15 @@ a step >= <step>:
     kill_rotate    SIGKILL after rotation renamed an old checkpoint to step_N.del, before it is removed
     enospc         the trainer_state.pt write fails with ENOSPC (a full disk where the soak cannot mount a tmpfs)
 
+and inside the first held-out evaluation of a step >= <step> (rank 0's, in a multi-rank run):
+
+    eval_outage    the reward server (pid POLYRL_SOAK_SERVER_PID) killed -9 as the evaluation starts
+    eval_sigterm   SIGTERM to the launcher (torchrun, which signals every rank; one process: to itself) as the
+                   evaluation starts; the hook then waits up to 3 s, in which the signal arrives
+    eval_kill9     SIGKILL of this process as the evaluation starts
+    eval_disk_full the disk filled as the evaluation's samples are written (POLYRL_SOAK_FILL=<filler file>:<bytes to
+                   leave free>; without it the write fails with ENOSPC)
+
 Nothing here changes a number the run computes: a fault only ends the process, or fails a write, at a chosen point.
 """
 
@@ -17,10 +26,13 @@ import errno
 import io
 import os
 import pathlib
+import shutil
 import signal
 import sys
+import time
 
 from polyrl.trainer import checkpoint as ck
+from polyrl.trainer import evaluation, loop
 
 _SPEC = os.environ.get("POLYRL_SOAK_FAULT", "")
 KIND, _, _STEP = _SPEC.partition(":")
@@ -91,11 +103,57 @@ def rename(self, target):
     return out
 
 
+_evaluate = loop.Trainer.evaluate
+MAIN = os.environ.get("RANK", "0") == "0"
+
+
+def evaluate(self, n=None):
+    _state["step"] = self.step
+    if KIND.startswith("eval_") and KIND != "eval_disk_full" and MAIN and _armed():
+        _state["fired"] = True
+        print(f"soak_faults: {KIND} in the evaluation of step {self.step}", file=sys.stderr, flush=True)
+        if KIND == "eval_kill9":
+            _die("in an evaluation")
+        elif KIND == "eval_outage":
+            os.kill(int(os.environ["POLYRL_SOAK_SERVER_PID"]), signal.SIGKILL)
+        elif KIND == "eval_sigterm":
+            os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), signal.SIGTERM)
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:  # the signal arrives here (or, when it may not abandon it, is noted)
+                time.sleep(0.05)
+    return _evaluate(self, n)
+
+
+_write = evaluation.SampleFiles.write
+
+
+def write(self, batch, step):
+    _state["step"] = step
+    if KIND == "eval_disk_full" and MAIN and _armed():
+        _state["fired"] = True
+        filler, _, leave = os.environ.get("POLYRL_SOAK_FILL", "").rpartition(":")
+        print(f"soak_faults: the disk fills as the samples of step {step} are written", file=sys.stderr, flush=True)
+        if not filler:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.dir))
+        size = max(shutil.disk_usage(os.path.dirname(filler)).free - int(leave), 0)
+        with open(filler, "ab") as f:
+            try:
+                while size > 0:
+                    size -= f.write(b"\0" * min(size, 2**20))
+                f.flush()
+            except OSError:
+                pass
+    return _write(self, batch, step)
+
+
 if KIND:
-    known = ("kill_weights", "kill_state", "kill_fsync", "kill_rotate", "enospc")
+    known = ("kill_weights", "kill_state", "kill_fsync", "kill_rotate", "enospc", "eval_outage", "eval_sigterm",
+             "eval_kill9", "eval_disk_full")
     if KIND not in known:
         raise SystemExit(f"soak_faults: unknown fault {KIND!r}; one of {', '.join(known)}")
     ck.trainer_state = trainer_state
     ck.torch.save = save
     ck._fsync = fsync
     pathlib.Path.rename = rename
+    loop.Trainer.evaluate = evaluate
+    evaluation.SampleFiles.write = write

@@ -14,6 +14,7 @@ SLOW = {
     "test_distributed.py", "test_parallel_world2.py", "test_parallel_full.py", "test_parallel_wan.py",
     "test_token_distributed.py", "test_fsdp2_inputs.py", "test_veomni_backend.py", "test_ray_stages.py",
     "test_ray_weight_sync.py", "test_reward_http_restart.py", "test_checkpoint_signals.py", "test_compile_cache.py",
+    "test_elastic.py",
     "test_bench.py",
     # many or long training runs (measured: tens of seconds to minutes each on 2 cores)
     "test_algorithms_cli.py", "test_export.py", "test_wan_train.py", "test_pretrain_motion.py", "test_eval_toy.py",

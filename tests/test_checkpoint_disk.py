@@ -253,44 +253,60 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount)], check=False)
 
 
-def test_a_disk_that_fills_between_steps_is_one_line_after_one_warning(tiny_sd3_dir, shape_prompts_file, small_disk,
-                                                                       monkeypatch, capsys):
-    """On a real full disk (tmpfs): the sample grid is optional (one warning), metrics.jsonl and TensorBoard are
-    not (one error line, no traceback of TensorBoard's writer thread); freed, the run resumes with every step once."""
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_disk_that_fills_around_an_evaluations_samples_is_one_line(tiny_sd3_dir, shape_prompts_file, small_disk,
+                                                                     monkeypatch, capsys, when):
+    """On a real full disk (tmpfs), filled before or after step 3's evaluation writes its samples: the samples are
+    part of the step (issue 52), and so are metrics.jsonl and TensorBoard's events: one error line naming what could
+    not be written, no traceback (not even of TensorBoard's writer thread), no torn sample file; freed, the run
+    resumes from step 2 and writes what was lost, every step once. (Filled after the samples, the next write that
+    needs a new page fails: step 3's log line and TensorBoard events may still fit in their files' last pages, and
+    step 4's samples then fail.)"""
     from polyrl.cli.main import main
     from polyrl.trainer.evaluation import SampleFiles
 
     run, filler = small_disk / "run", small_disk / "filler"
     real_write = SampleFiles.write
 
-    def fill_before_step_3(self, batch, step):  # the disk fills after step 3's evaluation, before its files
-        if step == 3 and not filler.exists():
-            with open(filler, "wb") as f:
-                try:
-                    while True:
-                        f.write(b"\0" * 65536)
-                except OSError:
-                    pass
-        return real_write(self, batch, step)
+    def fill():
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+            except OSError:
+                pass
 
-    monkeypatch.setattr(SampleFiles, "write", fill_before_step_3)
+    def fill_around_step_3(self, batch, step):
+        if step == 3 and when == "before" and not filler.exists():
+            fill()
+        real_write(self, batch, step)
+        if step == 3 and when == "after" and not filler.exists():
+            fill()
+
+    monkeypatch.setattr(SampleFiles, "write", fill_around_step_3)
     extra = ("trainer.tensorboard=true", "trainer.eval_every=1", "trainer.eval_samples=2", "trainer.save_every=2",
              "trainer.keep_checkpoints=1")
     code = main(_train(tiny_sd3_dir, shape_prompts_file, run, 4, *extra))
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if line.startswith("polyrl:") and ("warning" in line or "error" in line)]
     assert code == 2 and "Traceback" not in err, err
-    assert len(said) == 2, said
-    assert said[0].startswith("polyrl: warning: disk full: the samples of step 3 under ")
-    # the next required write: metrics.jsonl, or TensorBoard's events when the log's last page still had room
-    assert re.match(re.escape("polyrl: error: disk full: could not write the ")
-                    + f"(metrics log {re.escape(str(run / 'metrics.jsonl'))} \\(needs about .*, |tensorboard logs "
-                    + f"{re.escape(str(run / 'tensorboard'))} \\()0 B free\\);", said[1]), said[1]
-    assert f"the last complete checkpoint is {ck.checkpoint_dir(run, 2)}; free space, then resume with: " in said[1]
+    assert len(said) == 1, said
+    if when == "before":
+        assert said[0].startswith(f"polyrl: error: disk full: could not write the samples of step 3 under "
+                                  f"{run / 'samples'} (0 B free); "), said
+        assert logged_steps(run) == [0, 1, 2]
+    else:  # metrics.jsonl, TensorBoard's events, or step 4's samples: the first write that needs a new page
+        assert re.match(re.escape("polyrl: error: disk full: could not write the ")
+                        + f"(metrics log {re.escape(str(run / 'metrics.jsonl'))} \\(needs about .*, |tensorboard logs "
+                        + f"{re.escape(str(run / 'tensorboard'))} \\(|samples of step 4 under "
+                        + f"{re.escape(str(run / 'samples'))} \\()0 B free\\);", said[0]), said[0]
+    assert f"the last complete checkpoint is {ck.checkpoint_dir(run, 2)}; free space, then resume with: " in said[0]
+    assert not [p.name for p in (run / "samples").iterdir() if p.name.startswith(".")]  # no torn temporary file
     filler.unlink()
     monkeypatch.setattr(SampleFiles, "write", real_write)
     assert main(_train(tiny_sd3_dir, shape_prompts_file, run, 4, *extra)) == 0
     assert logged_steps(run) == [0, 1, 2, 3, 4]
+    assert (run / "samples" / "step_000003.png").is_file()
     assert ck.list_checkpoints(run) == [ck.checkpoint_dir(run, 4)]  # keep_checkpoints=1 rotated step 2 away
 
 

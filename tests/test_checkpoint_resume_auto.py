@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from polyrl.cli.main import main
 
 
@@ -50,3 +52,43 @@ def test_resume_auto_names_the_run_and_step_and_refuses_when_ambiguous(tiny_sd3_
                           "no checkpoint")
     assert f"older runs have: {newer} (step 3), {older} (step 1)" in err
     assert _steps(newer) == [1, 2, 3]  # nothing was touched
+
+
+def test_the_resume_command_repeats_the_launcher():
+    from polyrl.trainer.run_dir import launch_command, resume_command
+
+    train = ["train", "--import", "x.py", "recipe=toy_shapes"]
+    assert launch_command(1, ["polyrl", *train], []) == ["polyrl"]
+    # torchrun's console script runs through its interpreter (the shebang line): said as typed, `torchrun ...`
+    parent = ["/usr/bin/python3.12", "/usr/local/bin/torchrun", "--standalone", "--nproc-per-node=2",
+              "--max-restarts=3", "-m", "polyrl", *train]
+    prefix = launch_command(2, ["/src/polyrl/__main__.py", *train], parent)
+    assert prefix == ["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=3", "-m", "polyrl"]
+    parent = ["python", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=8", "--rdzv-endpoint=h:29500",
+              "--no-python", "polyrl", *train]
+    assert launch_command(16, ["/bin/polyrl", *train], parent) == parent[:-len(train)]
+    # a parent that is not the launcher (another launcher, or no /proc): a torchrun line from the environment
+    assert launch_command(4, ["/bin/polyrl", *train], ["srun", "bash", "job.sh"]) == [
+        "torchrun", "--nproc-per-node=4", "-m", "polyrl"]
+    assert resume_command(["trainer.resume=auto", "a=b c", "trainer.output_dir=old"], "runs/x", prefix) == (
+        "torchrun --standalone --nproc-per-node=2 --max-restarts=3 -m polyrl train 'a=b c' trainer.output_dir=runs/x "
+        "trainer.resume=auto")
+
+
+def test_a_torchrun_restart_continues_its_own_run_without_a_checkpoint_yet(tmp_path, monkeypatch):
+    """`torchrun --max-restarts` without trainer.output_dir: the newest run is the one torchrun restarts, even when it
+    stopped before its first checkpoint and an older run has one (which outside a restart is ambiguous)."""
+    from omegaconf import OmegaConf
+
+    from polyrl.errors import UserError
+    from polyrl.trainer.run_dir import resolve_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "toy" / "20261201-000000" / "checkpoints" / "step_000002").mkdir(parents=True)
+    (tmp_path / "runs" / "toy" / "20261201-000000" / "checkpoints" / "step_000002" / "trainer_state.pt").touch()
+    (tmp_path / "runs" / "toy" / "20261205-000000").mkdir()
+    cfg = OmegaConf.create({"name": "toy", "trainer": {"resume": "auto", "output_dir": None}})
+    with pytest.raises(UserError, match="trainer.resume=auto is ambiguous"):
+        resolve_run_dir(cfg)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resolve_run_dir(cfg)[:2] == (Path("runs/toy/20261205-000000"), [])

@@ -121,20 +121,45 @@ def test_a_second_signal_during_the_update_rolls_it_back(tiny_sd3_dir, shape_pro
     assert metrics(run) == metrics(reference)
 
 
-def test_a_signal_during_an_evaluation_abandons_it(tiny_sd3_dir, shape_prompts_file, tmp_path, capsys):
-    run = tmp_path / "run"
-    # calls: step-0 evaluation, steps 1 and 2, then the evaluation after step 2
-    code = main(_args(tiny_sd3_dir, shape_prompts_file, run, 4, "trainer.eval_every=2", "trainer.save_every=10",
-                      "trainer.eval_samples=2", "trainer.num_validation=2", "reward.at=4"))
+EVALS = ("trainer.eval_every=2", "trainer.save_every=10", "trainer.eval_samples=2", "trainer.num_validation=2")
+
+
+@pytest.mark.parametrize("where", [
+    # reward calls: step-0 evaluation, steps 1 and 2, then the evaluation after step 2
+    ("reward.at=4",),
+    # the extra scorer's second call: inside the hacking watch of step 2's evaluation, after the reward scored it
+    ("trainer.eval_scorers=[test_signal]", "+trainer.eval_scorer_args.test_signal.at=2"),
+], ids=["reward", "eval_scorer"])
+def test_a_signal_during_an_evaluation_saves_the_step_and_the_resume_evaluates_it_once(
+        tiny_sd3_dir, shape_prompts_file, tmp_path, capsys, where):
+    """Issue 52: an evaluation is part of its step. SIGTERM in the middle of step 2's evaluation saves step 2 with
+    its evaluation due (not logged); the resumed run evaluates step 2 first, so metrics.jsonl, the sample grids and
+    the scorers' numbers equal an uninterrupted run's, every step once."""
+    reward = "jpeg_compressibility" if where[0].startswith("trainer.eval_scorers") else "test_signal"
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    quiet = [w.replace(".at=4", ".at=0").replace(".at=2", ".at=0") for w in where]
+    assert main(train_args(tiny_sd3_dir, shape_prompts_file, reference, 3, *EVALS, *quiet, reward=reward)) == 0
+    capsys.readouterr()
+    code = main(train_args(tiny_sd3_dir, shape_prompts_file, run, 3, *EVALS, *where, reward=reward))
     err = capsys.readouterr().err
     assert code == 128 + signal.SIGTERM, err
-    assert "polyrl: evaluation at step 2 abandoned" in err and "stopped by SIGTERM at step 2 of 4" in err
-    rows = metrics(run)
-    assert [m["step"] for m in rows] == [0, 1, 2] and "eval/reward_mean" not in rows[2]
-    assert (run / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
-    status = json.loads((run / "status.json").read_text())
+    ckpt = run / "checkpoints" / "step_000002"
+    assert f"stopped by SIGTERM at step 2 of 3; saved checkpoint {ckpt} (step 2; its evaluation runs again on " \
+           "resume)" in err
+    assert [m["step"] for m in metrics(run)] == [0, 1]  # step 2 is logged with its evaluation, after the resume
+    status = json.loads((run / "status.json").read_text())  # what `polyrl view` shows as the run's state
     assert (status["state"], status["step"], status["pid"]) == ("stopped", 2, os.getpid())
-    assert status["error"].startswith("RunStopped: stopped by SIGTERM at step 2 of 4")
+    assert status["error"].startswith("RunStopped: stopped by SIGTERM at step 2 of 3")
+    # resumed with the evaluation's signal off (each run counts its calls from 1)
+    command = [a.replace(".at=4", ".at=0").replace(".at=2", ".at=0") for a in _resume_from_message(err)]
+    assert main(command) == 0
+    assert "from step_000002 (step 2, at its evaluation)" in capsys.readouterr().err
+    assert metrics(run) == metrics(reference)
+    assert "eval/reward_mean" in metrics(run)[2]
+    if reward == "jpeg_compressibility":
+        assert "eval/test_signal" in metrics(run)[2] and "eval/hacking_alarm" in metrics(run)[2]
+    for name in ("step_000000.png", "step_000002.png", "step_000002.jsonl", "step_000003.png", "grid.json"):
+        assert (run / "samples" / name).read_bytes() == (reference / "samples" / name).read_bytes(), name
 
 
 def test_a_signal_before_any_step_saves_nothing(tiny_sd3_dir, shape_prompts_file, tmp_path, capsys):
@@ -204,3 +229,9 @@ def test_data_parallel_ranks_stop_together(tiny_sd3_dir, shape_prompts_file, tmp
     assert [m["step"] for m in metrics(run)] == [1, 2]
     assert checkpoint_names(run) == ["step_000002"]
     assert "exitcode  : 143" in out.stderr  # the rank that got the signal; torchrun then ends the other
+    # the resume command repeats the launcher (issue 52), and rank 0 alone says it
+    assert out.stderr.count("stopped by SIGTERM") == 1
+    resume = next(x for x in out.stderr.splitlines() if x.startswith("resume with: "))
+    assert resume.startswith(f"resume with: {sys.executable} -m torch.distributed.run --standalone --nproc-per-node=2 "
+                             f"-m polyrl train --import {__file__} ")
+    assert resume.endswith(f"trainer.output_dir={run} trainer.resume=auto")

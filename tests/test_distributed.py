@@ -71,7 +71,8 @@ def test_two_process_run_equals_one_process_run_with_resume(tiny_sd3_dir, shape_
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-6)
     assert any(not torch.equal(w1[k], initial[k]) for k in w1)  # steps 2 and 3 moved the weights
     # only rank 0 wrote: one metrics line per step, one config
-    assert sorted(p.name for p in two.iterdir() if p.is_file()) == ["config.yaml", "metrics.jsonl", "reward_curve.png"]
+    assert sorted(p.name for p in two.iterdir() if p.is_file()) == ["config.yaml", "metrics.jsonl", "reward_curve.png",
+                                                                   "status.json"]
 
 
 def test_prompt_groups_must_split_evenly_over_ranks():

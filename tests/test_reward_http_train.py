@@ -97,3 +97,30 @@ def test_unreachable_server_before_any_step(tiny_sd3_dir, shape_prompts_file, tm
     err = capsys.readouterr().err
     assert "polyrl: error: reward.url=http://127.0.0.1:9: GET http://127.0.0.1:9/health failed" in err
     assert "ConnectError" in err and not (tmp_path / "run").exists()
+
+
+def test_an_outage_during_an_evaluation_is_redone_once_on_resume(tiny_sd3_dir, shape_prompts_file, tmp_path, capsys):
+    """Found by scripts/soak.py (issue 52): a reward outage in the held-out evaluation right after a training step
+    saved that step and the resumed run went on at the next one, so the step's evaluation was never logged. Now the
+    step is saved with its evaluation due, and the resumed run evaluates it first: the log equals an uninterrupted
+    run's, every step once."""
+    evals = ["trainer.eval_every=2", "trainer.eval_samples=2", "trainer.num_validation=2", "trainer.save_every=1"]
+    reference = tmp_path / "reference"
+    assert main(_train_args(tiny_sd3_dir, shape_prompts_file, reference, 3, ["reward=jpeg_compressibility", *evals])) == 0
+    reward, out = Breakable(), tmp_path / "run"
+    reward.break_after = 3  # calls: the step-0 evaluation, steps 1 and 2 (one chunk each); step 2's evaluation fails
+    with BackgroundServer(create_app(reward, "breakable")) as srv:
+        args = ["reward=http", f"reward.url={srv.url}", "reward.chunk_size=4", "reward.max_retries=1",
+                "reward.backoff=0.01", *evals]
+        assert main(_train_args(tiny_sd3_dir, shape_prompts_file, out, 3, args)) == 3
+        err = capsys.readouterr().err
+        ckpt = out / "checkpoints" / "step_000002"
+        assert f"saved checkpoint {ckpt} (step 2; its evaluation runs again on resume)\nresume with: " in err, err
+        assert [r["step"] for r in _metrics(out)] == [0, 1]  # step 2 is logged once its evaluation is done
+        reward.broken, reward.break_after = False, None
+        assert main(_train_args(tiny_sd3_dir, shape_prompts_file, out, 3, args + ["trainer.resume=auto"])) == 0
+        assert "from step_000002 (step 2, at its evaluation)" in capsys.readouterr().err
+    assert _metrics(out) == _metrics(reference)
+    assert "eval/reward_mean" in _metrics(out)[2]
+    assert sorted(p.name for p in (out / "samples").glob("step_*.png")) == ["step_000000.png", "step_000002.png",
+                                                                             "step_000003.png"]

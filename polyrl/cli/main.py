@@ -116,7 +116,8 @@ def cmd_train(args: list[str]) -> int:
     try:
         history = trainer.fit()
     except RunStopped as e:  # printed before close(): under torchrun a rank that exits first ends the others
-        trainer.say(f"polyrl: {e}")
+        if e.report:  # one rank of a multi-rank run says it (trainer/stopping.py)
+            print(f"polyrl: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     finally:
         trainer.close()

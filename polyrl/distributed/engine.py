@@ -74,8 +74,8 @@ class LocalEngine:
     def barrier(self) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    def close(self, barrier: bool = True) -> None:
+        """End the process group; `barrier`: first wait for every rank (False after a failure: a rank may be gone)."""
 
 
 class DataParallelEngine(LocalEngine):
@@ -91,7 +91,7 @@ class DataParallelEngine(LocalEngine):
         else:
             device = torch.device("cpu")
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo")
+            init_process_group("nccl" if cuda else "gloo")
         super().__init__(device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dims = ParallelDims(dp=self.world_size)
@@ -151,10 +151,31 @@ class DataParallelEngine(LocalEngine):
     def barrier(self) -> None:
         self.dist.barrier()
 
-    def close(self) -> None:
+    def close(self, barrier: bool = True) -> None:
         if self.dist.is_initialized():
-            self.dist.barrier()  # no rank tears the group down while another still talks to it
+            if barrier:
+                self.dist.barrier()  # no rank tears the group down while another still talks to it
             self.dist.destroy_process_group()
+
+
+def init_process_group(backend: str) -> None:
+    """The process group of a torchrun launch. Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) its keys
+    are prefixed with the restart count: torch keeps one store for the whole launch, and the group that
+    `--max-restarts` starts again would read the dead attempt's addresses (gloo: `connectFullMesh failed ...
+    Connection refused`, seen with torch 2.13)."""
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    from torch.distributed.constants import default_pg_timeout
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=default_pg_timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"polyrl/attempt_{attempt}", store), rank=rank,
+                            world_size=world)
 
 
 def pick_device(name: str) -> torch.device:

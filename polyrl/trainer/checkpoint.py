@@ -112,14 +112,23 @@ def _numpy_state() -> list:
     return [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
 
 
+def rng_state() -> dict:
+    """The process's global random states (torch CPU, python, numpy), weights_only-safe."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_state()}
+
+
+def set_rng_state(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(_as_tuples(rng["python"]))
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
 def trainer_state(actor, sampler, step: int, extra: dict | None = None) -> dict:
-    """What `trainer_state.pt` holds: only tensors, numbers, strings and plain containers (weights_only-safe)."""
+    """What `trainer_state.pt` holds: only tensors, numbers, strings and plain containers (weights_only-safe).
+    `extra`: the trainer's own entries (`eval_due`: a step saved before its evaluation completed, trainer/loop.py)."""
     optimizer = actor.optimizer_state() if hasattr(actor, "optimizer_state") else actor.optimizer.state_dict()
-    return {
-        "step": step, "optimizer": optimizer, "sampler": sampler.state_dict(),
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_state()},
-        **(extra or {}),
-    }
+    return {"step": step, "optimizer": optimizer, "sampler": sampler.state_dict(), "rng": rng_state(), **(extra or {})}
 
 
 def file_digest(path: Path) -> str:
@@ -320,11 +329,7 @@ def load_checkpoint(directory: Path, actor, sampler) -> dict:
         sampler.load_state_dict(state["sampler"])
     except (ValueError, KeyError, RuntimeError, OSError) as e:  # another model's or another config's checkpoint
         raise CheckpointError(f"{directory}: does not fit this run ({e})") from None
-    rng = state["rng"]
-    torch.set_rng_state(rng["torch"])
-    random.setstate(_as_tuples(rng["python"]))
-    name, keys, pos, has_gauss, cached = rng["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    set_rng_state(state["rng"])
     return state
 
 

@@ -17,6 +17,7 @@ import torch
 from ..batch import Rollout
 from ..data.prompts import split_row
 from ..rewards.stage import score_batch
+from .disk import DiskFull, is_disk_full
 from .logging import pick_tiles
 from .samples import has_media_files, save_samples, save_text_samples
 
@@ -41,7 +42,9 @@ def evaluate(sampler, reward, reward_name: str, rows: list[dict], n: int, seed: 
 class SampleFiles:
     """Writes each evaluation's samples: `samples/step_N.jsonl` (every sample) and, for media, the grid
     `samples/step_N.{png,mp4,wav}` of the tiles kept in `samples/grid.json` (chosen at the first evaluation, also
-    kept over a resume)."""
+    kept over a resume). They are part of the evaluation's step: each file is written under a temporary name and
+    renamed (a stop in the middle leaves no torn file), and a full disk raises DiskFull (the run stops; the resumed
+    run writes them again)."""
 
     def __init__(self, run_dir: Path, num_tiles: int, fps: float):
         self.dir, self.num_tiles, self.fps = run_dir / "samples", num_tiles, fps
@@ -49,10 +52,20 @@ class SampleFiles:
 
     def write(self, batch: Rollout, step: int) -> None:
         stem = self.dir / f"step_{step:06d}"
-        save_text_samples(batch, stem.with_suffix(".jsonl"))
-        if self.num_tiles > 0 and has_media_files(batch):
-            tiles, baselines = self._grid_tiles(batch, step)
-            save_samples(batch.select(torch.tensor(tiles)), stem, self.fps, baselines)
+        tmp = stem.with_name(f".{stem.name}.tmp")
+        try:
+            written = [save_text_samples(batch, tmp.with_suffix(".jsonl"))]
+            if self.num_tiles > 0 and has_media_files(batch):
+                tiles, baselines = self._grid_tiles(batch, step)
+                written += save_samples(batch.select(torch.tensor(tiles)), tmp, self.fps, baselines)
+            for path in dict.fromkeys(written):
+                path.replace(stem.with_suffix(path.suffix))
+        except Exception as e:
+            for path in self.dir.glob(f".{stem.name}.*"):
+                path.unlink(missing_ok=True)
+            if is_disk_full(e):
+                raise DiskFull(self.dir, None, None, f"samples of step {step} under") from e
+            raise
 
     def _grid_tiles(self, batch: Rollout, step: int) -> tuple[list[int], list[float] | None]:
         """The grid's samples and their rewards at the first evaluation (None at that evaluation itself)."""
@@ -69,7 +82,8 @@ class SampleFiles:
             tiles = pick_tiles(keys, batch.rewards, k)
             self.tiles = {"step": step, "tiles": tiles, "rewards": [float(batch.rewards[i]) for i in tiles]}
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(self.tiles))
+            path.with_suffix(".json.tmp").write_text(json.dumps(self.tiles))
+            path.with_suffix(".json.tmp").replace(path)
         return tiles, (self.tiles["rewards"] if self.tiles["step"] != step else None)
 
 

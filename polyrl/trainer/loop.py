@@ -3,16 +3,20 @@ evaluate, checkpoint, stop cleanly on signals and failures, log.
 
 It names no model family, policy kind or algorithm: the stages come from the registries (trainer/build.py) and
 one step function runs every policy kind (trainer/step.py). It holds no rank logic beyond letting only rank 0
-write and agreeing with the other ranks when to stop (distributed/engine.py).
+write and agreeing with the other ranks when to stop (distributed/engine.py); how a run stops and what it says
+then is trainer/stopping.py.
+
+A step is complete once its evaluation (when one is due) is: a stop or a failure during the evaluation saves the
+trained step with its metrics and the random state before the evaluation (`eval_due` in the checkpoint), and the
+resumed run re-enters the step at its evaluation (`_complete_step`), so every evaluation is logged once, with the
+numbers and sample files of an uninterrupted run.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,29 +30,25 @@ from ..models import MODELS
 from ..models.base import policy_kind
 from ..perf.compile import save_compile_cache
 from ..perf.determinism import set_determinism
-from ..rewards.stage import RewardStage, RewardUnavailable
+from ..rewards.stage import RewardStage
 from .build import build_policy, build_reward_and_algorithm, load_data
-from .checkpoint import (
-    CheckpointError,
-    checkpoint_dir,
-    latest_checkpoint,
-    load_checkpoint,
-    load_newest,
-    save_checkpoint,
-)
-from .disk import DiskFull, OptionalWrites, as_disk_full, free_space_warning, is_disk_full
+from .checkpoint import checkpoint_dir, load_checkpoint, load_newest, rng_state, save_checkpoint, set_rng_state
+from .disk import OptionalWrites, free_space_warning, is_disk_full
 from .evaluation import HackingWatch, SampleFiles, evaluate
 from .logging import MetricsLogger, plot_reward_curve
-from .oom import oom_stage, out_of_memory
-from .recovery import SNAPSHOT_MAX_PARAMS, RunStopped, StopRequested, WeightSnapshot
-from .run_dir import RunStatus, resolve_on_main, resume_command, write_outcome
+from .recovery import RankStopped, RunStopped, StopRequested, WeightSnapshot
+from .run_dir import RunStatus, launch_command, resolve_on_main, write_outcome
 from .step import Stages, pair_step, train_step
+from .stopping import Stopping
+
+__all__ = ["RankStopped", "RunStopped", "Trainer"]
 
 
-class Trainer:
+class Trainer(Stopping):
     def __init__(self, cfg: DictConfig, overrides: list[str] | None = None):
         self.cfg = cfg
         self.overrides = list(overrides or [])  # for the resume command printed when a run stops
+        self.peers = None  # PeerWatch of a multi-rank run (trainer/stopping.py)
         t = cfg.trainer
         if t.device == "cuda" and not torch.cuda.is_available():
             raise UserError(f"trainer.device=cuda but torch {torch.__version__} sees no CUDA device "
@@ -56,6 +56,8 @@ class Trainer:
                             "use trainer.device=cpu (or auto)")
         self.engine = build_engine(t.device, cfg)
         self.say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if self.engine.is_main else (lambda msg: None)
+        self.launcher = launch_command(self.engine.world_size)  # how the run was started: the resume command's
+        self._watch_peers()
         if cfg.data.prompts_per_step % self.engine.dp_size:
             raise ConfigError(f"data.prompts_per_step={cfg.data.prompts_per_step} must be divisible by the number of "
                               f"data-parallel ranks ({self.engine.dp_size})")
@@ -72,6 +74,7 @@ class Trainer:
             cfg, self.engine, self.algo, self.say, self.run_dir, self.reward_stage.reads_media)
         self.compiled = cfg.model.get("compile", "none") != "none"
         self.step = 0
+        self._resumed_eval: dict | None = None  # a step saved before its evaluation completed: re-entered there
         if candidates:
             if t.resume == "auto":  # the newest usable checkpoint, saying which were skipped
                 loaded, state = load_newest(candidates, self.actor, self.data.source, self.say)
@@ -79,7 +82,9 @@ class Trainer:
                 loaded, state = candidates[0], load_checkpoint(candidates[0], self.actor, self.data.source)
             self.step = state["step"]
             self.reward_stage.load_reward_state(state.get("reward"))  # reward=mix's running statistics
-            self.say(f"polyrl: resuming run {self.run_dir} from {loaded.name} (step {self.step})"
+            self._resumed_eval = state.get("eval_due")
+            self.say(f"polyrl: resuming run {self.run_dir} from {loaded.name} (step {self.step}"
+                     + (", at its evaluation" if self._resumed_eval else "") + ")"
                      + (" instead" if loaded != candidates[0] else ""))
         self.logger = None
         self._disk_full = False  # a full disk stopped the run (said once; nothing more is written)
@@ -89,8 +94,10 @@ class Trainer:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
                 loggers = [name for name in t.loggers if t.tensorboard or name != "tensorboard"]
+                # a step re-entered at its evaluation is logged again: whatever a stopped run logged of it is dropped
+                resumed_at = self.step - (self._resumed_eval is not None) if t.resume is not None else None
                 self.logger = MetricsLogger(self.run_dir, loggers, cfg.name, OmegaConf.to_container(cfg, resolve=True),
-                                            warn=self.say, resumed_at=self.step if t.resume is not None else None)
+                                            warn=self.say, resumed_at=resumed_at)
                 self.status = RunStatus(self.run_dir, t.max_steps)  # status.json: running, finished, stopped, failed
             except Exception as e:
                 if is_disk_full(e):
@@ -106,7 +113,10 @@ class Trainer:
         self._phase = "idle"  # step (nothing trained yet) | update | eval | save | idle
         self._snapshot: WeightSnapshot | None = None
         self._source_before: dict | None = None
-        self._pending: dict | None = None  # a completed step's metrics not yet logged
+        self._pending: dict | None = None  # a trained step's metrics not yet logged
+        self._eval_due: dict | None = None  # the trained step's evaluation not yet done: {metrics, rng} (checkpointed)
+        self._recovering = False  # saving after a stop or failure: signals wait
+        self._clean = False  # every rank ended together (the process group is closed with a barrier)
         self._stop_note = ""
         self.samples = SampleFiles(self.run_dir, t.num_validation, self.sampler.fps)
         self._first_eval: tuple[int, float] | None = None  # (step, held-out reward) of the run's first evaluation
@@ -158,12 +168,12 @@ class Trainer:
         with self.actor.evaluation_weights():
             return evaluate(self.sampler, self.reward, self.cfg.reward.name, rows, n or t.eval_samples, t.eval_seed)
 
-    def _eval_and_grid(self, metrics: dict) -> None:
+    def _eval_and_grid(self, metrics: dict) -> bool:
         """Held-out evaluation and its samples (rank 0; the other ranks wait at the next collective, or evaluate
-        too when the weights are sharded: each forward needs every rank). A stop signal abandons it at once (the
-        step it follows is complete)."""
+        too when the weights are sharded: each forward needs every rank). A stop signal abandons it at once (one
+        process or rank 0 alone; sharded ranks finish it): False, the step is then saved with its evaluation due."""
         if not (self.engine.is_main or self.engine.sharded):
-            return
+            return True
         self._phase = "eval"
         self.bar.set_description_str(f"{self.cfg.name} (evaluating {self.cfg.trainer.eval_samples} held-out samples)")
         self.bar.refresh()
@@ -171,7 +181,7 @@ class Trainer:
         try:
             mean, batch = self.evaluate()
             if not self.engine.is_main:  # rank 0 writes
-                return
+                return True
             if self.cfg.trainer.eval_scorers:  # extra scorers, the hacking watch; their values caption the grid
                 if self._watch is None:
                     self._watch = HackingWatch(self.cfg, self.logger.history())
@@ -179,15 +189,17 @@ class Trainer:
                 metrics.update(watch_metrics)
                 if warning:
                     self.bar.write(warning, file=sys.stderr)
-            self._optional_write(f"the samples of step {self.step} under {self.samples.dir}",
-                                 self.samples.write, batch, self.step)
+            self.samples.write(batch, self.step)  # part of the step: a full disk here stops the run (DiskFull)
             metrics["eval/reward_mean"] = mean
             if self.cfg.trainer.keep_best:
                 self._scores[self.step] = mean
             metrics["time/eval"] = time.perf_counter() - t0
             self._print_eval(mean)
-        except StopRequested:  # the step itself is complete: it is logged and saved, then every rank stops
-            self.say(f"polyrl: evaluation at step {self.step} abandoned")
+            return True
+        except StopRequested:  # the trained step is saved with its evaluation due, then every rank stops
+            for key in [k for k in metrics if k.startswith("eval/")]:  # what a scorer had added already
+                del metrics[key]
+            return False
         finally:
             self.bar.set_description_str(self.cfg.name)
             self._phase = "idle"
@@ -218,159 +230,88 @@ class Trainer:
         try:
             with self._signal_handlers():
                 try:
-                    if self.step == 0 and t.eval_every > 0 and (main or self.engine.sharded):
-                        m = {"step": 0}
-                        self._eval_and_grid(m)
-                        if main:
-                            self.logger.log(m)
+                    if self.step == 0 and t.eval_every > 0:
+                        self._complete_step({"step": 0})
+                    elif self._resumed_eval is not None:  # re-entered at the evaluation a stop cut short
+                        set_rng_state(self._resumed_eval["rng"])
+                        self._complete_step(dict(self._resumed_eval["metrics"]))
                     while self.step < t.max_steps and not self._stop_agreed():
                         self._one_step()
-                except StopRequested as e:
+                except StopRequested as e:  # this rank alone: one process, a second signal, or a peer exited
                     self._stop = self._stop or e.signum
+                    gone = self.peers.exits() if self.peers is not None else []
+                    if gone:
+                        raise self._peer_stopped(gone) from None
                     self._stop_note = self._recover(collective=False)
+                    if self.peers is not None:
+                        self.peers.publish(f"stopped by {signal.Signals(self._stop).name}", 128 + self._stop, main)
                 except BaseException as e:
                     raise self._failed(e) from e
                 else:
+                    self._clean = True
                     if self._stop is not None:
                         self._stop_note = self._recover(collective=True)
             if self._stop is not None:
                 name = signal.Signals(self._stop).name
                 raise RunStopped(f"stopped by {name} at step {self.step} of {t.max_steps}; {self._stop_note}"
-                                 + (f"\nresume with: {resume_command(self.overrides, self.run_dir)}"
-                                    if self.step > 0 else ""), self._stop)
+                                 + (self._hint() if self.step > 0 else ""), self._stop, report=main)
         finally:
             self.bar.close()
             history = self._finish_logs()
         return history
 
     def _one_step(self) -> None:
-        t = self.cfg.trainer
         self._source_before = self.data.source.state_dict()  # the data position before this step
         self._phase = "step"
         metrics = self.train_step()
         self.step += 1
-        self._phase, self._snapshot, self._pending = "idle", None, metrics
-        last = self.step == t.max_steps
-        if t.eval_every > 0 and (self.step % t.eval_every == 0 or last):
-            self._eval_and_grid(metrics)
-        if self.engine.is_main:
-            self.logger.log(metrics)
-        self._pending = None
-        if t.save_every > 0 and (self.step % t.save_every == 0 or last):
-            self._save(collective=True)
-        if self.engine.is_main and self.compiled and (self.step == 1 or self.saved_step == self.step):  # the first epoch compiled most; evals add more
-            self._optional_write(f"the compile cache {self.compile_cache}", save_compile_cache, self.compile_cache)
+        self._phase, self._snapshot = "idle", None
+        self._complete_step(metrics)
         post = {"reward": f"{metrics['reward/mean']:.3f}"} if "reward/mean" in metrics else {}
         if "eval/reward_mean" in metrics:
             post["heldout"] = f"{metrics['eval/reward_mean']:.3f}"
         self.bar.set_postfix(post)
         self.bar.update(1)
 
+    def _complete_step(self, metrics: dict) -> None:
+        """The rest of step `self.step` once it is trained (step 0: the base model's evaluation): its evaluation
+        when one is due, its log line, its checkpoint. A stop during the evaluation leaves it due (`_eval_due`,
+        saved in the checkpoint with the metrics and the random state before it); the resumed run comes back here."""
+        t, main = self.cfg.trainer, self.engine.is_main
+        self._pending = metrics
+        if t.eval_every > 0 and (self.step % t.eval_every == 0 or self.step == t.max_steps):
+            self._eval_due = {"metrics": _plain(metrics), "rng": rng_state()}
+            if self._eval_and_grid(metrics):
+                self._eval_due = None
+        if self._eval_due is None:
+            if main:
+                self.logger.log(metrics)
+            self._pending = None
+        if self.step == 0:
+            return
+        if t.save_every > 0 and (self.step % t.save_every == 0 or self.step == t.max_steps):
+            self._save(collective=True)
+        if main and self.compiled and (self.step == 1 or self.saved_step == self.step):  # the first epoch compiled most; evals add more
+            self._optional_write(f"the compile cache {self.compile_cache}", save_compile_cache, self.compile_cache)
+
     def _save(self, collective: bool) -> Path:
-        """Checkpoint the current step (rank 0 writes; with `collective`, every rank waits until it is complete)."""
+        """Checkpoint the current step (rank 0 writes; with `collective`, every rank waits until it is complete).
+        A step whose evaluation is due is saved with it (`eval_due`)."""
         ckpt = checkpoint_dir(self.run_dir, self.step)
         if self.saved_step != self.step:
             self._phase = "save"
-            if self.engine.sharded and not collective and self.engine.world_size > 1:
-                raise CheckpointError("sharded weights are saved by every rank together, which a failure on one "
-                                      "rank cannot ask for")
             if self.engine.is_main or self.engine.sharded:  # sharded: every rank writes its shards
                 t = self.cfg.trainer  # rotation (rank 0) only once the new checkpoint is complete
                 extra = self.reward_stage.checkpoint_extra()  # reward=mix's running statistics
+                if self._eval_due is not None:
+                    extra = {**extra, "eval_due": self._eval_due}
                 save_checkpoint(ckpt, self.actor, self.data.source, self.step, extra, engine=self.engine,
                                 keep=t.keep_checkpoints, scores=self._scores if t.keep_best else None, say=self.say)
+            self.saved_step = self.step  # complete on disk: a barrier that fails now does not undo it
             if collective:
                 self.engine.barrier()
-            self.saved_step, self._phase = self.step, "idle"
+            self._phase = "idle"
         return ckpt
-
-    def _as_disk_full(self, error: BaseException) -> DiskFull:
-        """A full disk stops the run with one line; nothing more is written (not even the metrics log)."""
-        self._disk_full = True
-        if self.logger is not None:
-            self.logger.disk_full = True
-        return as_disk_full(error, self.run_dir, latest_checkpoint(self.run_dir),
-                            resume_command(self.overrides, self.run_dir))
-
-    def _stop_agreed(self) -> bool:
-        """Whether any rank was asked to stop: one small sum over ranks per step, so that every rank stops after
-        the same step (a signal may reach one rank only, or reach them at different points of a step)."""
-        if self.engine.world_size == 1:
-            return self._stop is not None
-        asked = self.engine.sum(torch.tensor([0 if self._stop is None else self._stop], device=self.engine.device))
-        if int(asked) and self._stop is None:
-            self._stop = int(signal.SIGTERM)  # another rank's signal
-        return bool(int(asked))
-
-    @contextmanager
-    def _signal_handlers(self):
-        if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-            yield
-            return
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-    def _on_signal(self, signum: int, frame) -> None:
-        """First signal: abandon what can be redone (a rollout before any weight changed, one process; an
-        evaluation), else finish the step's update and stop after it. A second signal stops at once (an update
-        in progress is rolled back from its snapshot)."""
-        first = self._stop is None
-        self._stop = self._stop or signum
-        if not first or self._phase == "eval" or (self._phase == "step" and self.engine.world_size == 1):
-            # an abandoned evaluation is caught in `_eval_and_grid`; the stop then happens at the step's end
-            raise StopRequested(signum)
-        self.say(f"\npolyrl: {signal.Signals(signum).name}: stopping after this step (send it again to stop at once)")
-
-    def _recover(self, collective: bool) -> str:
-        """After a stop or a failure: undo the unfinished step (its prompts are drawn again on resume; an update in
-        progress is rolled back), log a completed step whose evaluation was cut short, and save the last completed
-        step. Returns what was done, for the message."""
-        phase, self._phase = self._phase, "idle"
-        if self._pending is not None and self.logger is not None:
-            try:
-                self.logger.log(self._pending)
-            except DiskFull as e:
-                raise self._as_disk_full(e) from e
-            self._pending = None
-        if phase in ("step", "update"):
-            self.data.source.load_state_dict(self._source_before)
-            if phase == "update":
-                if self._snapshot is None:
-                    last = checkpoint_dir(self.run_dir, self.saved_step) if self.saved_step else None
-                    return (f"the weights were in the middle of an update and too large to keep a copy of (over "
-                            f"{SNAPSHOT_MAX_PARAMS} trainable elements), so step {self.step} could not be saved; the "
-                            f"last checkpoint is {last or 'none'}")
-                self._snapshot.restore(self.actor)
-        if self.step == 0:
-            return "no training step had completed: nothing to save"
-        try:
-            ckpt = self._save(collective)
-        except DiskFull as e:  # the last complete checkpoint stays the resume point: one line says so
-            raise self._as_disk_full(e) from e
-        except CheckpointError as e:
-            return f"step {self.step} could not be saved: {e}"
-        return f"saved checkpoint {ckpt} (step {self.step})"
-
-    def _failed(self, error: BaseException) -> BaseException:
-        """The exception to raise for a failure that stopped the run, after saving the last completed step: a
-        reward service that gave up, or a non-finite gradient, is re-raised with the save note (the CLI prints it
-        as one line); anything else keeps its type and traceback, the note printed first. A full disk is DiskFull,
-        one line, with nothing more written: no second checkpoint on the full disk, the step that was in progress
-        is redone after resuming from the last complete checkpoint. An out-of-memory is one line too (trainer/oom.py)."""
-        if is_disk_full(error):
-            return self._as_disk_full(error)
-        oom = oom_stage(error, self._phase)  # before _recover: it frees the failed stage's tensors
-        note = self._recover(collective=False)
-        hint = f"\nresume with: {resume_command(self.overrides, self.run_dir)}" if self.step > 0 else ""
-        if isinstance(error, (RewardUnavailable, FloatingPointError)) or oom:
-            return out_of_memory(error, oom, self.cfg, note + hint) if oom else type(error)(f"{error}\n{note}{hint}")
-        if isinstance(error, Exception):
-            self.say(f"polyrl: the run failed in step {self.step + 1} ({type(error).__name__}); {note}{hint}")
-        return error
 
     def _finish_logs(self) -> list[dict]:
         """The reward curve and closing the loggers; a failure here is reported, never raised over the run's own
@@ -395,4 +336,13 @@ class Trainer:
         self.reward_stage.close()
         if self.remote is not None:
             self.remote.close()
-        self.engine.close()
+        if self.peers is not None:
+            self.peers.close()
+        self.engine.close(barrier=self._clean)  # after a failure a rank may be gone: no barrier to wait in
+        self._release_signals()
+
+
+def _plain(metrics: dict) -> dict:
+    """A step's metrics as plain Python numbers (a checkpoint's `eval_due` is read back with weights_only)."""
+    return {k: (float(v) if isinstance(v, float) else int(v) if isinstance(v, int) and not isinstance(v, bool) else v)
+            for k, v in metrics.items()}

@@ -82,8 +82,18 @@ class StopRequested(BaseException):
 
 
 class RunStopped(UserError):
-    """The run stopped on a signal after saving its last completed step; `exit_code` is 128 + the signal."""
+    """The run stopped after saving its last completed step: on a signal (`exit_code` 128 + the signal), or because
+    another rank exited (`exit_code` given). `report`: whether this rank prints the message (`polyrl: <message>`);
+    in a multi-rank run one rank does."""
 
-    def __init__(self, message: str, signum: int):
+    def __init__(self, message: str, signum: int | None = None, exit_code: int | None = None, report: bool = True):
         super().__init__(message)
-        self.exit_code = 128 + signum
+        self.exit_code = exit_code if exit_code is not None else 128 + (signum or 0)
+        self.report = report
+
+
+class RankStopped(RunStopped):
+    """A rank of a multi-rank run that stops without a word: another rank prints why (trainer/stopping.py)."""
+
+    def __init__(self, exit_code: int):
+        super().__init__("", exit_code=exit_code, report=False)

@@ -4,7 +4,9 @@ that continues a stopped run, and the state its status.json records (run_files.R
 from __future__ import annotations
 
 import datetime
+import os
 import shlex
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -23,6 +25,7 @@ def resolve_run_dir(cfg: DictConfig) -> tuple[Path, list[Path], list[str]]:
     Leftovers of an interrupted checkpoint write in the chosen run are cleaned first (`clean_stale`).
     """
     t = cfg.trainer
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0  # torchrun --max-restarts
     if t.resume not in (None, "auto"):
         ckpt = Path(t.resume)
         if not (ckpt / STATE_FILE).is_file():
@@ -49,7 +52,7 @@ def resolve_run_dir(cfg: DictConfig) -> tuple[Path, list[Path], list[str]]:
             newest = runs[-1]
             notes = [f"polyrl: {line}" for line in clean_stale(newest)]
             found = list_checkpoints(newest)
-            if found:
+            if found or restarted:  # a restart by torchrun continues the run it restarts, checkpoint or not
                 return newest, found, notes
             older = [(r, list_checkpoints(r)) for r in runs[:-1]]
             older = [f"{r} (step {checkpoint_step(c[0])})" for r, c in older if c]
@@ -79,11 +82,36 @@ def resolve_on_main(engine, cfg: DictConfig) -> tuple[Path, list[Path], list[str
     return answer
 
 
-def resume_command(overrides: list[str], run_dir: Path) -> str:
-    """The command that continues this run: the same overrides, pinned to its directory, trainer.resume=auto."""
+def launch_command(world_size: int, argv: list[str] | None = None, parent: list[str] | None = None) -> list[str]:
+    """How this process was started, up to the `train` subcommand: `["polyrl"]` for one process; under torchrun
+    the launcher and its arguments as typed (read from the parent's command line, the torchrun agent's, whose
+    tail is this rank's `train ...`; `torchrun` for the console script), else a torchrun line rebuilt from the
+    environment. `argv` / `parent`: this process's and its parent's arguments (default: read them)."""
+    if world_size <= 1:
+        return ["polyrl"]
+    argv = sys.argv if argv is None else argv
+    if parent is None:
+        try:
+            parent = [a for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0") if a]
+        except (OSError, UnicodeDecodeError):
+            parent = []
+    tail = argv[1:]
+    if tail and tail[0] == "train" and len(parent) > len(tail) and parent[-len(tail):] == tail:
+        prefix = parent[: len(parent) - len(tail)]
+        if len(prefix) > 1 and Path(prefix[0]).name.startswith("python") and Path(prefix[1]).name == "torchrun":
+            prefix = ["torchrun", *prefix[2:]]  # the console script through its interpreter (the shebang line)
+        return prefix
+    nodes = max(1, world_size // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+    return ["torchrun", *([f"--nnodes={nodes}"] if nodes > 1 else []),
+            f"--nproc-per-node={world_size // nodes}", "-m", "polyrl"]
+
+
+def resume_command(overrides: list[str], run_dir: Path, launcher: list[str] | None = None) -> str:
+    """The command that continues this run: its launcher (`launch_command`; `polyrl` by default), the same
+    overrides pinned to its directory, trainer.resume=auto."""
     keep = [o for o in overrides if not o.lstrip("+~").startswith(("trainer.resume=", "trainer.output_dir="))]
-    args = keep + [f"trainer.output_dir={run_dir}", "trainer.resume=auto"]
-    return "polyrl train " + " ".join(shlex.quote(a) for a in args)
+    args = [*(launcher or ["polyrl"]), "train", *keep, f"trainer.output_dir={run_dir}", "trainer.resume=auto"]
+    return " ".join(shlex.quote(a) for a in args)
 
 
 def write_outcome(status: RunStatus, step: int, error: BaseException | None) -> None:
