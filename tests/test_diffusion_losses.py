@@ -64,11 +64,16 @@ def test_guard_gradient_wrt_current_mean():
 
 
 def test_inverse_dt_weights_hand_values():
-    # steps: dt = −0.1, −0.3 (sample 0) and −0.2, −0.4 (sample 1): 1/(−dt) = 10, 3.33, 5, 2.5; mean = 5.2083
-    sigmas = t64([[1.0, 0.9, 0.6], [0.8, 0.6, 0.2]])
-    inv = np.array([[10.0, 1 / 0.3], [5.0, 2.5]])
+    # stored steps: dt = −0.1, −0.3 (sample 0) and −0.2, −0.4 (sample 1): 1/(−dt) = 10, 3.33, 5, 2.5; the grid
+    # 1 > 0.9 > 0.6 > 0.2 > 0 has 1/(−dt) = 10, 3.33, 2.5, 5: mean 5.2083, the normaliser of every sample
+    sigmas = t64([[1.0, 0.9, 0.6], [0.6, 0.2, 0.0]])
+    grid = t64([1.0, 0.9, 0.6, 0.2, 0.0])
+    inv = np.array([[10.0, 1 / 0.3], [2.5, 5.0]])
+    norm = np.mean([10.0, 1 / 0.3, 2.5, 5.0])
     for k in range(2):
-        np.testing.assert_allclose(inverse_dt_weights(sigmas, k).numpy(), inv[:, k] / inv.mean(), rtol=1e-12)
+        np.testing.assert_allclose(inverse_dt_weights(sigmas, k, grid).numpy(), inv[:, k] / norm, rtol=1e-12)
+        # a sample's weight is the same alone as beside others (no micro-batch statistic)
+        np.testing.assert_allclose(inverse_dt_weights(sigmas[1:], k, grid).numpy(), inv[1:, k] / norm, rtol=1e-12)
 
 
 # ------------------------------------------------------------------------------------------------ Flow-DPPO

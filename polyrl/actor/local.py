@@ -187,9 +187,20 @@ def group_micro_batches(idx: torch.Tensor, group_ids: torch.Tensor, micro: int) 
     return parts
 
 
-def _offsets(sizes: list[int]) -> list[int]:
-    """Where each rank's samples start in the global batch (ranks hold contiguous shares)."""
-    return [sum(sizes[:r]) for r in range(len(sizes))]
+def global_places(index: torch.Tensor | None, n: int, engine: LocalEngine) -> list[torch.Tensor]:
+    """Every data-parallel rank's samples' places 0..b−1 in the step's global training batch, rank by rank.
+
+    `index` (`Rollout.sample_index`) is where the step put this rank's samples in its global order (the kept groups
+    of every rollout of the step, dynamic sampling's refills included: a rank's samples need not be contiguous there),
+    after the algorithm's selection (which may leave gaps); places are those positions renumbered densely, so they
+    are the same numbers in every layout. Without an index a rank's samples follow the previous rank's."""
+    if index is None:
+        sizes = [int(k) for k in engine.gather_objects(n)]
+        start = sum(sizes[: engine.dp_rank])
+        index = torch.arange(start, start + n)
+    every = [torch.as_tensor(p, dtype=torch.long) for p in engine.gather_objects(index.cpu().tolist())]
+    dense = torch.unique(torch.cat(every))  # sorted
+    return [torch.searchsorted(dense, p) for p in every]
 
 
 DEFAULT_CORRECTION = SimpleNamespace(mode="bypass", is_cap=2.0, log_ratio_bounds=None)
@@ -483,7 +494,7 @@ class LocalActor:
     def update(self, algo, batch: Rollout, generator: torch.Generator) -> dict[str, float]:
         """`num_minibatches` optimizer steps over a shuffled global batch; each accumulates every loss term.
 
-        With several ranks each holds a contiguous share of the global batch: the shuffled order and the
+        With several ranks each holds a share of the global batch (`global_places`): the shuffled order and the
         mini-batches are global, each rank runs its own samples of a mini-batch, and every loss is normalised by
         the global mini-batch size, so the summed gradient equals the 1-process one. `generator` (the step's update
         stream) shuffles the mini-batches; the loss terms' draws are keyed by it and by each sample's place in the
@@ -494,10 +505,15 @@ class LocalActor:
         # ~100 MB per SD3 micro-batch (queued without waiting: Rollout.to); the sizes are host numbers, so that
         # nothing here waits for the copy
         batch = algo.prepare(batch).to(self.adapter.device)
-        sizes = [int(n) for n in self.engine.gather_objects(len(batch))]
-        b, offset = sum(sizes), sum(sizes[: self.engine.dp_rank])
+        places = global_places(batch.sample_index, len(batch), self.engine)
+        sizes = [len(p) for p in places]
+        b = sum(sizes)
         self._sizes = sizes
-        batch.sample_index = torch.arange(offset, offset + len(batch))
+        batch.sample_index = places[self.engine.dp_rank]
+        local_of = torch.full((b,), -1, dtype=torch.long)  # global place -> this rank's sample (or -1)
+        local_of[batch.sample_index] = torch.arange(len(batch))
+        owner = torch.cat([torch.full((n,), r, dtype=torch.long) for r, n in enumerate(sizes)])
+        owner[torch.cat(places)] = owner.clone()  # global place -> the rank holding it
         if b == 0:  # e.g. online DPO when every group's rewards are equal: nothing to learn from
             self._update_old(algo)
             return {"train/samples": 0.0}
@@ -515,10 +531,11 @@ class LocalActor:
         self.train_mode(True)
         for i, mb in enumerate(minibatches):
             self.optimizer.zero_grad(set_to_none=True)
-            mine = mb[(mb >= offset) & (mb < offset + len(batch))] - offset
+            mine = local_of[mb]
+            mine = mine[mine >= 0]
             micro = micro_batch_samples(self.cfg.micro_batch_size, len(mine))
             total = None if weights is None else float(self.engine.sum(weights[mine.to(weights.device)].sum()))
-            shares = [int(((mb >= o) & (mb < o + n)).sum()) for o, n in zip(_offsets(sizes), sizes, strict=True)]
+            shares = torch.bincount(owner[mb], minlength=len(sizes)).tolist()
             parts = group_micro_batches(mine, batch.group_ids, micro) if whole_groups else list(mine.split(micro))
             for part in self._lockstep(parts, shares):
                 self._dummy = part is None  # a zero-weight forward and backward that keeps the ranks in step

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..batch import Rollout
-from ..latents import Latents, for_entry, sample_mean
+from ..latents import Latents, at_least_float32, for_entry, sample_mean
 from .base import AlgorithmBase, PolicyEvaluator, register_algorithm
 from .forward_process import check_clip_range, check_time_range, fresh_noise, noise_to, term_time
 
@@ -44,7 +44,7 @@ def matching_weighting(log_p: torch.Tensor, sigma: torch.Tensor, weighting: str,
 
 
 def matching_log_prob(v: Latents, target: Latents, sigma, weighting: str = "Uniform", power: float = 0.25) -> torch.Tensor:
-    """Per-sample weighted log p (float64 inside, float32 out): each entry's −mean_d (v − target)² weighted with its
+    """Per-sample weighted log p (float64 inside, out in the velocity's dtype, at least float32): each entry's −mean_d (v − target)² weighted with its
     own σ (`sigma` (B,) or one per entry), then the entries' mean weighted by their element counts."""
     total, count = 0.0, 0
     for k in v:
@@ -52,7 +52,7 @@ def matching_log_prob(v: Latents, target: Latents, sigma, weighting: str = "Unif
         d = v[k][0].numel()
         total = total + d * matching_weighting(m, for_entry(sigma, k).to(m), weighting, power)
         count += d
-    return (total / count).float()
+    return at_least_float32((total / count).to(next(iter(v.values())).dtype))
 
 
 def awm_loss(log_p: torch.Tensor, old_log_p: torch.Tensor, advantages: torch.Tensor, clip_low: float,

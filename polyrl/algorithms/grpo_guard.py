@@ -22,10 +22,12 @@ def guard_log_ratio(log_prob, old_log_prob, mean, old_mean, std) -> torch.Tensor
     return (log_prob - old_log_prob + bias) * scale
 
 
-def inverse_dt_weights(sigmas: torch.Tensor, k: int) -> torch.Tensor:
-    """1/(−dt) of step k per sample, normalised by its mean over every trained step of the batch."""
-    inv = 1.0 / (sigmas[:, :-1] - sigmas[:, 1:])
-    return inv[:, k] / inv.mean()
+def inverse_dt_weights(sigmas: torch.Tensor, k: int, grid: torch.Tensor) -> torch.Tensor:
+    """1/(−dt) of stored step k per sample, normalised by the mean 1/(−dt) over the steps of the sampling grid
+    (σ_0 = 1 > … > σ_N = 0). A constant of the run, not a mean over the micro-batch's trained steps: a sample's
+    weight must not depend on which samples share its micro-batch (§7)."""
+    inv = 1.0 / (sigmas[:, k] - sigmas[:, k + 1])
+    return inv / (1.0 / (grid[:-1] - grid[1:])).to(inv).mean()
 
 
 @register_algorithm("grpo_guard")
@@ -40,7 +42,7 @@ class GRPOGuard(AlgorithmBase):
         adv = batch.advantages.to(out.log_prob.device)
         log_ratio = guard_log_ratio(out.log_prob, old_log_prob(batch, k, out.log_prob), out.mean,
                                     old_mean(batch, k, out.mean), out.std)
-        weight = inverse_dt_weights(batch.sigmas.to(out.log_prob.device), k)
+        weight = inverse_dt_weights(batch.sigmas.to(out.log_prob.device), k, policy.sigma_grid())
         if out.weight is not None:
             weight = weight * out.weight
         loss, ratio, clipped = ppo_clip_loss(log_ratio, torch.zeros_like(log_ratio), adv, self.clip_range, weight)

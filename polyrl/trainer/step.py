@@ -126,6 +126,7 @@ class KeptGroups:
         advantages = compute_advantages(algo, rewards, group_ids) if len(rewards) else torch.zeros(0)
         batch.advantages = advantages[mine]
         batch.group_ids = group_ids[mine]
+        batch.sample_index = mine  # its place in the global order (keys the update's draws and mini-batches)
         return batch, advantages
 
 
