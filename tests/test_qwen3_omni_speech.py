@@ -101,7 +101,7 @@ def test_greedy_rollout_is_transformers_generate(policy, omni_dir, media, speake
         captured = {}
         decode = ref.code2wav.chunked_decode
 
-        def spy(codes, **kwargs):
+        def spy(codes, captured=captured, decode=decode, **kwargs):
             captured["codes"] = codes
             return decode(codes, **kwargs)
 
