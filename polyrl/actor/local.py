@@ -536,7 +536,8 @@ class LocalActor:
             micro = micro_batch_samples(self.cfg.micro_batch_size, len(mine))
             total = None if weights is None else float(self.engine.sum(weights[mine.to(weights.device)].sum()))
             shares = torch.bincount(owner[mb], minlength=len(sizes)).tolist()
-            parts = group_micro_batches(mine, batch.group_ids, micro) if whole_groups else list(mine.split(micro))
+            # (a rank may hold none of a mini-batch, e.g. online DPO's pairs all on another rank: no forward here)
+            parts = group_micro_batches(mine, batch.group_ids, micro) if whole_groups else [p for p in mine.split(micro) if len(p)]
             for part in self._lockstep(parts, shares):
                 self._dummy = part is None  # a zero-weight forward and backward that keeps the ranks in step
                 if self._dummy:

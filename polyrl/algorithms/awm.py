@@ -108,7 +108,7 @@ class AWM(AlgorithmBase):
         per_sample, ratio, clipped = awm_loss(log_p, old, batch.advantages.to(log_p.device), self.clip_low,
                                               self.clip_high)
         loss = per_sample.mean()
-        stats = {"policy_loss": loss.detach(), "clip_frac": clipped.float().mean(), "ratio_mean": ratio.detach().mean(),
+        stats = {"policy_loss": loss.detach(), "clip_frac": clipped.double().mean(), "ratio_mean": ratio.detach().mean(),
                  "awm/log_p": log_p.detach().mean()}
         if self.kl_beta > 0:
             with torch.no_grad():

@@ -130,7 +130,7 @@ class DGPO(AlgorithmBase):
             old_err = dsm_error(v_old, target)
             if self.clip_dsm or self.clip_kl:
                 clip = dgpo_clip_mask(err, old_err, adv, self.clip_low, self.clip_high)
-                stats["clip_frac"] = clip.float().mean()
+                stats["clip_frac"] = clip.double().mean()
         v_ref = None
         if self.needs_reference:
             with torch.no_grad():

@@ -81,6 +81,6 @@ class DiffusionDPO(AlgorithmBase):
         ref_err = sample_mean({k: (v_ref[k] - target[k].to(v_ref[k].device)) ** 2 for k in v})
         per_pair, z = dpo_loss(err[:b], err[b:], ref_err[:b], ref_err[b:], self.beta)
         loss = weighted_mean(per_pair, None)
-        stats = {"loss": loss.detach(), "policy_loss": loss.detach(), "dpo/accuracy": (z.detach() > 0).float().mean(),
+        stats = {"loss": loss.detach(), "policy_loss": loss.detach(), "dpo/accuracy": (z.detach() > 0).double().mean(),
                  "dpo/margin": z.detach().mean()}
         return loss, stats

@@ -50,5 +50,5 @@ class DPO(TokenAlgorithm):
         per_pair, margin = dpo_loss(chosen, lost, ref_chosen, ref_lost, self.beta, self.loss_type)
         loss = per_pair.mean()
         stats = {"loss": loss.detach(), "policy_loss": loss.detach(),
-                 "dpo/accuracy": (margin.detach() > 0).float().mean(), "dpo/margin": margin.detach().mean()}
+                 "dpo/accuracy": (margin.detach() > 0).double().mean(), "dpo/margin": margin.detach().mean()}
         return loss, stats

@@ -32,7 +32,7 @@ class FlowDPPO(AlgorithmBase):
         adv = batch.advantages.to(out.log_prob.device)
         loss, ratio, keep, div = dppo_loss(out.log_prob, old_log_prob(batch, k, out.log_prob), out.mean,
                                            old_mean(batch, k, out.mean), out.std, adv, self.tau, out.weight)
-        stats = {"policy_loss": loss.detach(), "drop_frac": (~keep).float().mean(), "ratio_mean": ratio.detach().mean(),
+        stats = {"policy_loss": loss.detach(), "drop_frac": (~keep).double().mean(), "ratio_mean": ratio.detach().mean(),
                  "dppo_div": div.mean()}
         loss = add_reference_kl(policy, batch, k, out, self.kl_beta, loss, stats, self.kl_form)
         stats["loss"] = loss.detach()

@@ -135,7 +135,7 @@ class FlowGRPO(AlgorithmBase):
         adv = batch.advantages.to(out.log_prob.device)
         loss, ratio, clipped = ppo_clip_loss(out.log_prob, old_log_prob(batch, k, out.log_prob), adv,
                                              self.clip_range, out.weight)
-        stats = {"policy_loss": loss.detach(), "clip_frac": clipped.float().mean(), "ratio_mean": ratio.detach().mean(),
+        stats = {"policy_loss": loss.detach(), "clip_frac": clipped.double().mean(), "ratio_mean": ratio.detach().mean(),
                  "ratio_absdev": (ratio.detach() - 1).abs().mean()}
         loss = add_reference_kl(policy, batch, k, out, self.kl_beta, loss, stats, self.kl_form)
         stats["loss"] = loss.detach()

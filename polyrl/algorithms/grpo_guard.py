@@ -46,7 +46,7 @@ class GRPOGuard(AlgorithmBase):
         if out.weight is not None:
             weight = weight * out.weight
         loss, ratio, clipped = ppo_clip_loss(log_ratio, torch.zeros_like(log_ratio), adv, self.clip_range, weight)
-        stats = {"policy_loss": loss.detach(), "clip_frac": clipped.float().mean(), "ratio_mean": ratio.detach().mean(),
+        stats = {"policy_loss": loss.detach(), "clip_frac": clipped.double().mean(), "ratio_mean": ratio.detach().mean(),
                  "ratio_absdev": (ratio.detach() - 1).abs().mean()}
         loss = add_reference_kl(policy, batch, k, out, self.kl_beta, loss, stats, self.kl_form)
         stats["loss"] = loss.detach()

@@ -178,10 +178,10 @@ def token_stats(loss: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, 
     """The loss's metrics; `dual_clip_frac`: the share of response tokens (GSPO: sequences) the dual clip capped."""
     m = mask.to(ratio).reshape(ratio.shape) if ratio.shape == mask.shape else None
     if m is None:  # sequence-level ratio (GSPO): every sequence counts once
-        stats = {"policy_loss": loss.detach(), "clip_frac": clipped.float().mean(), "ratio_mean": ratio.mean(),
+        stats = {"policy_loss": loss.detach(), "clip_frac": clipped.double().mean(), "ratio_mean": ratio.mean(),
                  "ratio_absdev": (ratio - 1).abs().mean()}
         if capped is not None:
-            stats["dual_clip_frac"] = capped.float().mean()
+            stats["dual_clip_frac"] = capped.double().mean()
         return stats
     n = m.sum().clamp(min=1)
     r = ratio.detach()
