@@ -140,8 +140,9 @@ def mean_stats(stats: dict[str, list], engine: LocalEngine | None = None) -> dic
     tensors are read back in one transfer, not one sync each. A stat some rank lacks counts only where present."""
     engine = engine or LocalEngine(torch.device("cpu"))
     names = list(stats)
-    if engine.world_size > 1:
-        for other in engine.gather_objects(names):
+    if engine.world_size > 1:  # every rank's names in rank order: the same list on every rank (the sums align)
+        names = []
+        for other in engine.gather_objects(list(stats)):
             names += [n for n in other if n not in names]
     device = next((v.device for vs in stats.values() for v, _ in vs if torch.is_tensor(v)), torch.device("cpu"))
     if engine.world_size > 1:
