@@ -163,7 +163,7 @@ def test_sp_tp_fsdp_hsdp_equal_one_process_and_resume_across_world_sizes(tmp_pat
     state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
     assert state["optimizer"]["sharded"] == "distcp" and "state" not in state["optimizer"]
     # only rank 0 wrote the run's files
-    assert sorted(p.name for p in sp.iterdir() if p.is_file()) == ["config.yaml", "metrics.jsonl", "reward_curve.png"]
+    assert sorted(p.name for p in sp.iterdir() if p.is_file()) == ["config.yaml", "metrics.jsonl", "reward_curve.png", "status.json"]
 
 
 # ----------------------------------------------------------------------------------------------- torchrun entry
