@@ -124,11 +124,13 @@ class RewardServer:
 
     def __init__(self, port: int, log: Path):
         self.port, self.log, self.proc = port, log, None
+        self.pidfile = log.with_suffix(".pid")
 
     def start(self, timeout: float = 180.0) -> None:
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(polyrl("serve-reward", "reward=shapes", "--port", str(self.port)),
                                          env=child_env(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.pidfile.write_text(str(self.proc.pid))  # eval_outage kills the server running then (soak_faults.py)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -354,7 +356,7 @@ def run_round(i: int, rng: random.Random, steps: int, work: Path, disk: Disk, se
             env["POLYRL_SOAK_FAULT"] = f"enospc:{ending['step']}"
         if ending is not None and ending["kind"].startswith("eval_"):
             env["POLYRL_SOAK_FAULT"] = f"{ending['kind']}:{ending['step']}"
-            env["POLYRL_SOAK_SERVER_PID"] = str(server.proc.pid)
+            env["POLYRL_SOAK_SERVER_PIDFILE"] = str(server.pidfile)
             if ending["kind"] == "eval_disk_full" and disk.tmpfs:
                 env["POLYRL_SOAK_FILL"] = f"{disk.filler}:{ending['leave']}"
         args = train_args(run_dir, steps, server.port) + (["--import", str(FAULT_MODULE)] if env else [])

@@ -10,7 +10,7 @@ a step >= <step>:
 
 and inside the first held-out evaluation of a step >= <step> (rank 0's, in a multi-rank run):
 
-    eval_outage    the reward server (pid POLYRL_SOAK_SERVER_PID) killed -9 as the evaluation starts
+    eval_outage    the reward server (its pid read from POLYRL_SOAK_SERVER_PIDFILE) killed -9 as the evaluation starts
     eval_sigterm   SIGTERM to the launcher (torchrun, which signals every rank; one process: to itself) as the
                    evaluation starts; the hook then waits up to 3 s, in which the signal arrives
     eval_kill9     SIGKILL of this process as the evaluation starts
@@ -114,8 +114,13 @@ def evaluate(self, n=None):
         print(f"soak_faults: {KIND} in the evaluation of step {self.step}", file=sys.stderr, flush=True)
         if KIND == "eval_kill9":
             _die("in an evaluation")
-        elif KIND == "eval_outage":
-            os.kill(int(os.environ["POLYRL_SOAK_SERVER_PID"]), signal.SIGKILL)
+        elif KIND == "eval_outage":  # the server's pid now: a reward blip before may have restarted it
+            pidfile = os.environ.get("POLYRL_SOAK_SERVER_PIDFILE")
+            pid = int(pathlib.Path(pidfile).read_text()) if pidfile else int(os.environ["POLYRL_SOAK_SERVER_PID"])
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # down already
+                pass
         elif KIND == "eval_sigterm":
             os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), signal.SIGTERM)
             deadline = time.monotonic() + 3.0
