@@ -34,22 +34,13 @@ def _strip_times(rows):
     return [{k: v for k, v in r.items() if not k.startswith(timed)} for r in rows]
 
 
+# the rollout step kinds through the CLI; every registered algorithm trains 2 steps (with its metrics checked) in
+# tests/test_layouts.py
 CASES = {
     "flow_grpo_cps": ["algorithm=flow_grpo", "rollout.step=cps", "algorithm.kl_beta=0.1"],
     "flow_grpo_dance": ["algorithm=flow_grpo", "rollout.step=dance", "rollout.sde_window_strategy=random"],
-    "flow_dppo": ["algorithm=flow_dppo", "algorithm.kl_beta=0.1"],
-    "grpo_guard": ["algorithm=grpo_guard", "algorithm.kl_beta=0.1"],
-    "dance_grpo": ["algorithm=dance_grpo"],
-    "mix_grpo": ["algorithm=mix_grpo", "rollout.sde_window_every=1"],
-    "diffusion_dpo": ["algorithm=diffusion_dpo"],
-    # diffusion_nft and dgpo train in test_resume_with_old_copy_matches_uninterrupted_run (its options: RESUMED)
-    "awm": ["algorithm=awm", "algorithm.kl_beta=0.1", "algorithm.num_timesteps=2"],
 }
-KEYS = {
-    "flow_grpo_cps": ("clip_frac", "kl"), "flow_grpo_dance": ("clip_frac",), "flow_dppo": ("drop_frac", "kl"),
-    "grpo_guard": ("clip_frac", "kl"), "dance_grpo": ("clip_frac",), "mix_grpo": ("clip_frac",),
-    "diffusion_dpo": ("dpo/accuracy",), "awm": ("clip_frac", "kl"),
-}
+KEYS = {"flow_grpo_cps": ("clip_frac", "kl"), "flow_grpo_dance": ("clip_frac",)}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -61,10 +52,7 @@ def test_algorithm_trains_two_steps(tiny_sd3_dir, shape_prompts_file, tmp_path, 
     for key in ("loss", "grad_norm", *KEYS[case]):
         assert key in rows[0], (case, key)
     assert all(r["loss"] == r["loss"] for r in rows)  # finite, not NaN
-    if case == "diffusion_dpo":  # pairs exist only where a group's rewards differ
-        assert rows[0]["train/samples"] <= 2
-    else:
-        assert rows[0]["grad_norm"] > 0
+    assert rows[0]["grad_norm"] > 0
 
 
 def test_opd_distils_from_a_diffusers_teacher(tiny_sd3_dir, shape_prompts_file, tmp_path):

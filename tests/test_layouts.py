@@ -54,6 +54,12 @@ TOKENS = {
     "dpo": [],
     "opd": ["algorithm.task_loss=grpo", "teacher"],
 }
+# each algorithm's own metrics, beside loss and grad_norm
+KEYS = {"flow_grpo": ("clip_frac", "kl"), "dance_grpo": ("clip_frac",), "mix_grpo": ("clip_frac",),
+        "flow_dppo": ("drop_frac", "kl"), "grpo_guard": ("clip_frac", "kl"), "diffusion_nft": ("nft/err_pos", "ref_mse"),
+        "awm": ("clip_frac", "kl"), "dgpo": ("clip_frac", "kl", "dgpo/group_weight"), "diffusion_dpo": ("dpo/accuracy",),
+        "diffusion_opd": ("distill_kl", "clip_frac"), "grpo": ("clip_frac", "dual_clip_frac"),
+        "dapo": ("clip_frac", "dapo/refills"), "gspo": ("clip_frac",), "dpo": ("dpo/accuracy",), "opd": ("clip_frac",)}
 # one data-parallel rank only: its group preference needs every group in one micro-batch (algorithms/dgpo.py)
 ONE_RANK_ONLY = {"dgpo": "needs every prompt group's samples in one micro-batch and runs on one data-parallel rank"}
 
@@ -144,6 +150,9 @@ def uninterrupted(cases, tmp_path_factory):
 def test_micro_batches_and_a_resume_change_nothing(name, cases, uninterrupted, tmp_path):
     ref = uninterrupted / name
     rows = _metrics(ref)
+    for key in ("loss", "grad_norm", *KEYS[name]):
+        assert key in rows[0] or key in rows[1], (name, key, sorted(rows[0]))
+    assert all(r["loss"] == r["loss"] for r in rows if "loss" in r)  # finite, not NaN
     assert rows[0]["grad_norm"] > 0 or name == "diffusion_dpo", rows[0]  # the run learned something to compare
     split = tmp_path / "split"
     _train(cases[name](split) + ["trainer.max_steps=1", "actor.micro_batch_size=1"])
