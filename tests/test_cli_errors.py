@@ -48,7 +48,7 @@ def test_train_help_lists_groups_and_common_keys(capsys):
 def test_unknown_command_says_so(capsys):
     assert main(["trian"]) == 2
     assert _errors(capsys) == ["polyrl: error: unknown command 'trian' (did you mean train?); commands: train, "
-                               "config, sample, eval, export, pretrain-toy, bench, serve-reward (polyrl --help)"]
+                               "config, sample, eval, export, pretrain-toy, bench, plan, serve-reward, view (polyrl --help)"]
 
 
 @pytest.mark.parametrize("name, content, expected", [
