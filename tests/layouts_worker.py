@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 from polyrl.cli.main import main
-from polyrl.distributed.engine import DataParallelEngine
+from polyrl.distributed.engine import DataParallelEngine, init_process_group
 
 torch.set_num_threads(1)
-dist.init_process_group("gloo")
-DataParallelEngine.close = lambda self: dist.barrier()
+init_process_group("gloo")
+DataParallelEngine.close = lambda self, barrier=True: dist.barrier()
 plan = json.loads(open(sys.argv[1]).read())
 codes = {}
 for name, args in plan.items():
