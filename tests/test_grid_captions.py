@@ -80,7 +80,9 @@ def test_heldout_grid_and_samples_carry_the_caption_extras(tiny_sd3_dir, shape_p
         assert len(samples) == 4
         for s in samples:
             assert s["caption"] == f"saw {s['prompt'].split()[-1]}\nsteady=0.50\nnoted=0.25 noted here"
-    assert [g[0] for g in grids] == ["step_000000.png", "step_000001.png"]
+    # written under a temporary name (".step_000000.png") and renamed (trainer/evaluation.py SampleFiles)
+    assert [g[0].lstrip(".") for g in grids] == ["step_000000.png", "step_000001.png"]
+    assert sorted(p.name for p in (out / "samples").glob("*.png")) == ["step_000000.png", "step_000001.png"]
     for _, captions, notes in grids:
         assert len(notes) == 2 and (out / "samples" / "step_000001.png").is_file()
         assert notes == [f"saw {c.split()[-1]}\nsteady=0.50\nnoted=0.25 noted here" for c in captions]
