@@ -19,6 +19,7 @@ from . import (  # noqa: F401  (register the built-in scorers)
     speech,
     temporal_consistency,
     unified_reward,
+    videoalign,
     vlm_judge,
 )
 from .base import (

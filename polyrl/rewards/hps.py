@@ -123,14 +123,14 @@ def head_from_state(state: dict[str, torch.Tensor], prefix: str = HEAD_PREFIX) -
     return MLPHead(layers, "relu").eval()
 
 
-def chat_template(root: Path, tokenizer) -> str:
+def chat_template(root: Path, tokenizer, who: str = "hpsv3") -> str:
     """The processor's chat template (chat_template.jinja / chat_template.json), else the tokenizer's."""
     if (root / "chat_template.jinja").is_file():
         return (root / "chat_template.jinja").read_text()
     if (root / "chat_template.json").is_file():
         return json.loads((root / "chat_template.json").read_text())["chat_template"]
     if tokenizer.chat_template is None:
-        raise ValueError(f"hpsv3: {root} has no chat template (chat_template.jinja / .json or the tokenizer's)")
+        raise ValueError(f"{who}: {root} has no chat template (chat_template.jinja / .json or the tokenizer's)")
     return tokenizer.chat_template
 
 
