@@ -8,7 +8,9 @@ Workloads: `sd35m` (docs/benchmark.md, recipe `sd35m_flowgrpo_bench`), `qwen_ima
 (Wan2.2-TI2V-5B, recipe `wan22_flowgrpo`: full fine-tune at 704×1280, 9 frames), `wan22_a14b` (Wan2.2-T2V-A14B's two
 experts, recipe `wan22_a14b_flowgrpo`: LoRA on both, the same shape; stored in float8 on disk), `grpo_lm` (GRPO on a
 Qwen3-1.7B-shaped causal LM, recipe `causal_lm_grpo`: 8 prompts × 8 samples, 256 prompt tokens, 512 new tokens;
-reports rollout and training tokens/s).
+reports rollout and training tokens/s), `sd35m_nft` (DiffusionNFT as NVlabs/DiffusionNFT's `sd3_ocr` config trains
+SD3.5-M, recipe `sd35_nft`, one GPU's share of it with the JPEG reward: the same work as
+scripts/bench_diffusionnft_sd3.py runs through the authors' own loop).
 """
 
 from __future__ import annotations
@@ -57,11 +59,12 @@ def sd35_medium_spec(words: list[str]):
     )
 
 
-def tiny_spec(words: list[str]):
+def tiny_spec(words: list[str], clip_max_length: int = 16, t5_max_length: int = 16):
     from ..models.tiny import TinySD3Spec
 
     return TinySD3Spec(words=words, latent_channels=16, image_size=64, vae_channels=(16, 32, 32, 32),
-                       dual_attention_layers=(0,), qk_norm="rms_norm", t5_max_length=16)
+                       dual_attention_layers=(0,), qk_norm="rms_norm", clip_max_length=clip_max_length,
+                       t5_max_length=t5_max_length)
 
 
 LM_PROMPT_TOKENS, LM_NEW_TOKENS = 256, 512  # the grpo_lm workload's shape (tiny: 16 and 16)
@@ -132,6 +135,8 @@ def build_pipeline(directory: Path, tiny: bool, device: str, workload: str = "sd
         # float8 on disk: both experts in bf16 would take 56 GB; the tiny one too, so CI exercises the cast at load
         save_tiny_wan(spec, tmp, device=device, dtype=torch.float32 if tiny else torch.bfloat16,
                       stored_dtype=torch.float8_e4m3fn)
+    elif workload == "sd35m_nft" and tiny:  # DiffusionNFT's own loop pads CLIP to 77 tokens and T5 to 128
+        save_tiny_sd3(tiny_spec(words, clip_max_length=77, t5_max_length=128), tmp, device=device)
     else:
         spec = tiny_spec(words) if tiny else sd35_medium_spec(words)
         save_tiny_sd3(spec, tmp, device=device, transformer_dtype=torch.float32 if tiny else torch.bfloat16)
@@ -259,6 +264,15 @@ WORKLOADS = {  # name -> (recipe, extra overrides at full size)
     # videos per step
     "wan22_a14b": ("wan22_a14b_flowgrpo", ["data.prompts_per_step=1", "rollout.n=4", "actor.num_minibatches=1",
                                            "trainer.eval_every=0", "trainer.save_every=0", "trainer.tensorboard=false"]),
+    # DiffusionNFT's SD3.5-M config (NVlabs/DiffusionNFT config/nft.py `sd3_ocr`, recipe sd35_nft: 512², 10 DPM-Solver-2
+    # steps, no CFG, 9 of 10 grid steps trained, LoRA r32, old / current / reference forwards) as one of its 8 GPUs
+    # runs it: 16 sampling batches of 9 = 144 images and 2 optimizer steps per epoch. Groups of 9 images (theirs 24:
+    # on one GPU their sampler needs the group to divide the batch of 9; the work per image is the same), the JPEG
+    # reward scored on a thread as theirs is (reward.async), polyrl's compiled blocks (docs/performance.md
+    # "DiffusionNFT's own loop")
+    "sd35m_nft": ("sd35_nft", ["reward=jpeg_compressibility", "data.prompts_per_step=16", "rollout.n=9",
+                               "reward.async=true", "model.compile=blocks", "trainer.eval_every=0",
+                               "trainer.save_every=0", "trainer.tensorboard=false"]),
 }
 TINY = {  # name -> overrides that make the workload's tiny pipeline run on a CPU in seconds
     "grpo_lm": ["rollout.max_new_tokens=16", "data.prompts_per_step=2", "rollout.n=4", "model.dtype=float32"],
@@ -272,6 +286,9 @@ TINY = {  # name -> overrides that make the workload's tiny pipeline run on a CP
                  "actor.micro_batch_size=2", "reward.frames=2"],
 }
 TINY["wan22_a14b"] = TINY["wan22_5b"]  # the same tiny video shape; the A14B tiny pipeline has two experts
+# 2 prompts × 2 images at 64²: 2 sampling batches of 2 and 2 optimizer steps, as the harness's --tiny runs it
+TINY["sd35m_nft"] = ["rollout.height=64", "rollout.width=64", "rollout.n=2", "data.prompts_per_step=2",
+                     "rollout.batch_size=2", "actor.micro_batch_size=2", "model.dtype=float32", "model.compile=none"]
 
 
 def wait_for(path: Path, timeout_s: float) -> None:

@@ -9,7 +9,7 @@
     polyrl pretrain-toy [--task shapes|motion|count|text|rewrite] [--out DIR] ...   re-train an embedded toy base model
     polyrl plan [overrides...] [--gpu-memory GiB] [--gpus N]   the estimated peak GPU memory per GPU of a config,
                                            and the smallest change that fits (docs/memory.md)
-    polyrl bench [--tiny] [--workload sd35m|qwen_image|wan22_5b|wan22_a14b|grpo_lm] [--epochs 2] [overrides...]
+    polyrl bench [--tiny] [--workload sd35m|sd35m_nft|qwen_image|wan22_5b|wan22_a14b|grpo_lm] [--epochs 2] [overrides...]
                                            a published-size workload (docs/performance.md), timed per stage
     polyrl serve-reward reward=NAME [reward.k=v ...] [--host H] [--port N] [--token T]   a reward over HTTP
     polyrl view [DIR ...] [--port N] [--host H]   a local web page over run directories (read-only)
