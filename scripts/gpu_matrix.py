@@ -17,6 +17,9 @@ docs/gpu_matrix.md (card, date, commit).
 
     python scripts/gpu_matrix.py                       # on a GPU: published sizes where bench has a builder
     python scripts/gpu_matrix.py --only sd35_flowgrpo,wan22_flowgrpo
+    python scripts/gpu_matrix.py --only sd35_flowgrpo --out /tmp/gm --results $OUT --deadline 500 --stage-timeout 300
+                                                       # a device call: results in $OUT after every row, no stage
+                                                       # past 500 s, none longer than 300 s
     python scripts/gpu_matrix.py --tiny                # the same matrix on the CPU with tiny random checkpoints
     python scripts/gpu_matrix.py --deterministic       # two 2-step runs with trainer.deterministic=true per row
                                                        # (SD3.5-M bf16 and FP8, Wan2.2-TI2V-5B, a token policy):
@@ -439,10 +442,57 @@ class Stage:
         return {"status": self.status, "seconds": round(self.seconds, 2), "detail": self.detail}
 
 
+NOT_STARTED = 125  # run_cli's code for a stage the call's deadline left no time for
+TIMED_OUT = 124  # run_cli's code for a stage stopped at its time limit (as timeout(1) says it)
+LIMITS = {"deadline": None, "stage_timeout": None}  # monotonic end of the call; seconds a stage may take (main sets)
+MIN_STAGE_S = 30.0  # a stage is not started with less time than this left before the deadline
+
+
+def deadline_left() -> float | None:
+    """Seconds left before the call's deadline (None: no deadline)."""
+    return None if LIMITS["deadline"] is None else LIMITS["deadline"] - time.monotonic()
+
+
+def time_left() -> float | None:
+    """Seconds a subprocess stage may run now: the stage limit, cut to what is left before the call's deadline."""
+    limits = [LIMITS["stage_timeout"]]
+    if LIMITS["deadline"] is not None:
+        limits.append(LIMITS["deadline"] - time.monotonic())
+    limits = [x for x in limits if x is not None]
+    return min(limits) if limits else None
+
+
+def status(code: int, ok: bool) -> str:
+    return "pass" if ok else "not run" if code == NOT_STARTED else "fail"
+
+
+def run_subprocess(cmd: list[str], timeout: float | None) -> tuple[int, str]:
+    """`cmd` in its own process group (its compile workers too are stopped at the limit); (exit code, output)."""
+    import signal
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, text
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        return TIMED_OUT, (text or "") + f"\ngpu_matrix: stopped: the stage ran past its {timeout:.0f} s limit\n"
+
+
 def run_cli(argv: list[str], in_process: bool, log: Path) -> tuple[int, float, str]:
-    """`polyrl ARGV` (this process: the same entry point, no interpreter start; else a subprocess); returns (exit
-    code, seconds, the last polyrl line of its stderr). Its whole output goes to `log`."""
+    """`polyrl ARGV` (this process: the same entry point, no interpreter start; else a subprocess, stopped at
+    `time_left()`); returns (exit code, seconds, the last polyrl line of its stderr). Its whole output goes to `log`.
+    With less than MIN_STAGE_S left before the deadline the stage is not started (code NOT_STARTED)."""
     t0 = time.perf_counter()
+    left = None if in_process else deadline_left()
+    if left is not None and left < MIN_STAGE_S:
+        with open(log, "a") as f:
+            f.write(f"$ polyrl {' '.join(argv)}\nnot started: {left:.0f} s left before the deadline\n\n")
+        return NOT_STARTED, 0.0, f"not started: {max(left, 0):.0f} s left before the call's deadline"
     if in_process:
         from polyrl.cli.main import main
 
@@ -461,10 +511,7 @@ def run_cli(argv: list[str], in_process: bool, log: Path) -> tuple[int, float, s
                     raise
         text = err.getvalue()
     else:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        done = subprocess.run([sys.executable, "-m", "polyrl", *argv], capture_output=True, text=True, env=env,
-                              cwd=ROOT)
-        code, text = done.returncode, done.stdout + done.stderr
+        code, text = run_subprocess([sys.executable, "-m", "polyrl", *argv], time_left())
     seconds = time.perf_counter() - t0
     with open(log, "a") as f:
         f.write(f"$ polyrl {' '.join(argv)}\n{text}\n[exit {code}, {seconds:.1f} s]\n\n")
@@ -499,11 +546,14 @@ def check_export(base: Path, out: Path, merged: bool, in_process: bool) -> str:
         return load_export(base, out, merged)
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); from pathlib import Path; "
             f"from gpu_matrix import load_export; print(load_export(Path({str(base)!r}), Path({str(out)!r}), {merged!r}))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    if done.returncode:
-        tail = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
-        raise RuntimeError(tail[-1] if tail else f"exit {done.returncode}")
-    return done.stdout.strip().splitlines()[-1]
+    left = deadline_left()
+    if left is not None and left < MIN_STAGE_S:
+        raise RuntimeError(f"not loaded: {max(left, 0):.0f} s left before the call's deadline")
+    rc, text = run_subprocess([sys.executable, "-c", code], time_left())
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if rc:
+        raise RuntimeError(lines[-1] if lines else f"exit {rc}")
+    return lines[-1]
 
 
 def metrics(run: Path) -> list[dict]:
@@ -545,6 +595,12 @@ def plan_estimate(argv: list[str], imports: list[str]) -> dict:
     return {"plan_gib": round(plan.peak_gib, 2), "plan_layout": plan.layout}
 
 
+def published_dir(row: Row, out: Path) -> Path:
+    """Where a published-size checkpoint is built: one per builder, shared by the rows (and deterministic checks) of
+    one call that use it (SD3.5-M is ~4.5 GB and ~15 s to build; the builders skip a finished directory)."""
+    return out / "models" / (row.workload + ("_i2v" if row.published is published_ti2v else ""))
+
+
 def run_row(row: Row, out: Path, tiny: bool, device: str, peak_tflops: float | None, in_process: bool,
             extra: list[str]) -> dict:
     """Every stage of one row (see the module docstring)."""
@@ -560,7 +616,7 @@ def run_row(row: Row, out: Path, tiny: bool, device: str, peak_tflops: float | N
     stages = result["stages"]
     t0 = time.perf_counter()
     try:
-        model = row.tiny(work / "model") if size == "tiny" else row.published(work / "model", device)
+        model = row.tiny(work / "model") if size == "tiny" else row.published(published_dir(row, out), device)
     except Exception as e:
         stages["build"] = Stage("fail", time.perf_counter() - t0, f"{type(e).__name__}: {e}"[:400]).as_dict()
         return result
@@ -578,14 +634,14 @@ def run_row(row: Row, out: Path, tiny: bool, device: str, peak_tflops: float | N
     result.update(plan_estimate(base, imports))
     code, s, last = run_cli([*base, "trainer.max_steps=2"], in_process, log)
     ok = code == 0 and (run / "checkpoints" / "step_000002").is_dir()
-    stages["train"] = Stage("pass" if ok else "fail", s, "" if ok else last).as_dict()
+    stages["train"] = Stage(status(code, ok), s, "" if ok else last).as_dict()
     result.update(summarize(metrics(run)))
     if not ok:
         return result
     code, s, last = run_cli([*base, "trainer.max_steps=3", "trainer.resume=auto"], in_process, log)
     ckpt = run / "checkpoints" / "step_000003"
     ok = code == 0 and ckpt.is_dir() and [m["step"] for m in metrics(run)][-1] == 3
-    stages["resume"] = Stage("pass" if ok else "fail", s, "" if ok else last).as_dict()
+    stages["resume"] = Stage(status(code, ok), s, "" if ok else last).as_dict()
     if not ok:
         ckpt = run / "checkpoints" / "step_000002"
     if row.export.startswith("n/a"):
@@ -600,21 +656,22 @@ def run_row(row: Row, out: Path, tiny: bool, device: str, peak_tflops: float | N
             code, s2, last = run_cli(["export", f"checkpoint={ckpt}", f"out={exported}", "--merge"], in_process, log)
             s += s2
         if code:
-            stages["export"] = Stage("fail", s, fallback + last).as_dict()
+            stages["export"] = Stage(status(code, False), s, fallback + last).as_dict()
         else:
             t1 = time.perf_counter()
             try:
                 loaded = check_export(model, exported, merged, in_process)
                 stages["export"] = Stage("pass", s + time.perf_counter() - t1, fallback + loaded).as_dict()
             except Exception as e:
-                status = "not checked" if "requires the Torchvision library" in str(e) else "fail"
+                state = ("not checked" if "requires the Torchvision library" in str(e) else
+                         "not run" if str(e).startswith("not loaded:") else "fail")
                 detail = ("exported; loading it needs torchvision (the pipeline's Qwen2-VL processor), which this "
-                          "machine lacks" if status == "not checked" else f"load: {e}"[:400])
-                stages["export"] = Stage(status, s + time.perf_counter() - t1, fallback + detail).as_dict()
+                          "machine lacks" if state == "not checked" else f"load: {e}"[:400])
+                stages["export"] = Stage(state, s + time.perf_counter() - t1, fallback + detail).as_dict()
     code, s, last = run_cli(["eval", *imports, f"checkpoint={ckpt}", *eval_data, f"eval.output_dir={work / 'eval'}",
                              "eval.max_prompts=4", "eval.grid=0", *gpu], in_process, log)
     ok = code == 0 and (work / "eval" / "report.json").is_file()
-    stages["eval"] = Stage("pass" if ok else "fail", s, "" if ok else last).as_dict()
+    stages["eval"] = Stage(status(code, ok), s, "" if ok else last).as_dict()
     return result
 
 
@@ -655,7 +712,8 @@ def plan_rows(names: list[str], card_gib: float, margin: float = 0.95) -> list[d
     return out
 
 
-def run_deterministic(name: str, out: Path, tiny: bool, device: str, in_process: bool) -> dict:
+def run_deterministic(name: str, out: Path, tiny: bool, device: str, in_process: bool,
+                      extra: list[str] | None = None) -> dict:
     """Two 2-step runs with trainer.deterministic=true (bit-identical checkpoints?) and one without (the cost)."""
     from polyrl.trainer.checkpoint_compare import checkpoint_differences
 
@@ -667,16 +725,18 @@ def run_deterministic(name: str, out: Path, tiny: bool, device: str, in_process:
     work.mkdir(parents=True)
     log = work / "log.txt"
     size = "tiny" if tiny or row.published is None else "published"
-    model = row.tiny(work / "model") if size == "tiny" else row.published(work / "model", device)
+    model = row.tiny(work / "model") if size == "tiny" else row.published(published_dir(row, out), device)
     train_data, _ = make_data(row, work / "data", tiny=size == "tiny")
     sizes = row.tiny_args if size == "tiny" else row.published_args
     imports = [a for a in row.reward if a == "--import" or a.endswith(".py")]
     reward = [a for a in row.reward if a not in imports]
+    overrides = [*overrides, *(extra or [])]
     result = {"name": name, "recipe": recipe, "size": size, "device": device, "overrides": overrides, "runs": {}}
     for label, flag in (("a", "true"), ("b", "true"), ("off", "false")):
         run = work / label
         code, s, last = run_cli(["train", *imports, f"recipe={recipe}", f"model.path={model}", *train_data,
-                                 f"trainer.output_dir={run}", "trainer.max_steps=2", "trainer.save_every=2",
+                                 f"trainer.output_dir={run}", "trainer.max_steps=2",
+                                 f"trainer.save_every={2 if label != 'off' else 0}",  # "off" times, compares nothing
                                  "trainer.eval_every=0", "trainer.progress=false", "trainer.tensorboard=false",
                                  f"trainer.deterministic={flag}", f"trainer.device={device}", *reward, *sizes,
                                  *overrides], in_process, log)
@@ -777,7 +837,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when there is one, cpu with --tiny)")
     p.add_argument("--plan-only", type=float, default=None, metavar="GIB",
                    help="print the memory plan of every published row on one GPU of GIB GiB, run nothing")
+    p.add_argument("--results", default=None, metavar="DIR",
+                   help="also write the results here after every row: gpu_matrix.json (unless --json names another "
+                        "file), gpu_matrix.md (the table) and gpu_matrix_logs.txt (each row's log tail); e.g. $OUT on "
+                        "the device machine, which returns only that folder")
+    p.add_argument("--deadline", type=float, default=None, metavar="S",
+                   help="seconds from the start after which no stage starts and a running one is stopped (rows left "
+                        "say 'not run'); keep it under the device call's limit so the results are written")
+    p.add_argument("--stage-timeout", type=float, default=None, metavar="S",
+                   help="stop any one CLI stage after S seconds (a hang fails its row, not the call)")
     a, extra = p.parse_known_args(argv)
+    t_start = time.monotonic()
+    LIMITS["deadline"] = None if a.deadline is None else t_start + a.deadline
+    LIMITS["stage_timeout"] = a.stage_timeout
     import torch
 
     if a.plan_only is not None:
@@ -789,8 +861,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     date = time.strftime("%Y-%m-%d")
-    path = Path(a.json) if a.json else ROOT / "docs" / "bench" / f"gpu_matrix_{date}{'_tiny' if a.tiny else ''}.json"
+    results = Path(a.results) if a.results else None
+    if a.json:
+        path = Path(a.json)
+    elif results is not None:
+        path = results / "gpu_matrix.json"
+    else:
+        path = ROOT / "docs" / "bench" / f"gpu_matrix_{date}{'_tiny' if a.tiny else ''}.json"
     report = json.loads(path.read_text()) if path.is_file() else {"rows": [], "deterministic": []}
+    report.setdefault("rows", [])
+    report.setdefault("deterministic", [])
     peak = None
     if device == "cuda":
         from polyrl.cli.bench import measure_matmul_tflops
@@ -799,12 +879,37 @@ def main(argv: list[str] | None = None) -> int:
     report.update({"date": date, "commit": commit(), "card": card(), "device": device, "peak_tflops": peak,
                    "torch": torch.__version__})
     t0 = time.perf_counter()
+    seconds_before = report.get("seconds", 0.0)
+
+    def save(log: Path | None = None) -> str:
+        """The report so far, written after every row: a call stopped at its limit keeps what it measured."""
+        report["seconds"] = seconds_before + time.perf_counter() - t0
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        table = markdown(report)
+        (out / "gpu_matrix.md").write_text(table)
+        if results is not None:
+            results.mkdir(parents=True, exist_ok=True)
+            (results / "gpu_matrix.md").write_text(table)
+            if log is not None and log.is_file():
+                lines = log.read_text(errors="replace").splitlines()
+                with open(results / "gpu_matrix_logs.txt", "a") as f:
+                    f.write(f"===== {log.parent.name} (last {min(len(lines), 200)} of {len(lines)} lines)\n")
+                    f.write("\n".join(lines[-200:]) + "\n\n")
+        return table
+
     if a.deterministic:
         names = [n for n in DETERMINISTIC if not a.only or n in a.only.split(",")]
         done = {d["name"]: d for d in report.get("deterministic", [])}
         for name in names:
+            left = deadline_left()
+            if left is not None and left < MIN_STAGE_S:
+                print(f"gpu_matrix: deterministic {name}: not run ({left:.0f} s left)", file=sys.stderr, flush=True)
+                continue
             print(f"gpu_matrix: deterministic {name} ...", file=sys.stderr, flush=True)
-            done[name] = run_deterministic(name, out, a.tiny, device, a.in_process)
+            done[name] = run_deterministic(name, out, a.tiny, device, a.in_process, extra)
+            report["deterministic"] = [done[n] for n in DETERMINISTIC if n in done]
+            save(out / f"deterministic_{name}" / "log.txt")
         report["deterministic"] = [done[n] for n in DETERMINISTIC if n in done]
     else:
         names = a.only.split(",") if a.only else real_recipes()
@@ -828,19 +933,24 @@ def main(argv: list[str] | None = None) -> int:
                               "stand_ins": BENCH_STAND_INS[BY_NAME[name].workload]}
                 print(f"gpu_matrix: {name}: not run ({done[name]['not_run']})", file=sys.stderr, flush=True)
                 continue
+            left = deadline_left()
+            if left is not None and left < MIN_STAGE_S:
+                done[name] = {"recipe": name, "size": "tiny" if a.tiny or not BY_NAME[name].published else "published",
+                              "device": device, "not_run": f"the call's deadline ({left:.0f} s left)"}
+                print(f"gpu_matrix: {name}: not run ({left:.0f} s left)", file=sys.stderr, flush=True)
+                continue
             print(f"gpu_matrix: {name} ...", file=sys.stderr, flush=True)
             done[name] = run_row(BY_NAME[name], out, a.tiny, device, peak, a.in_process, extra)
             st = done[name].get("stages", {})
             print(f"gpu_matrix: {name}: " + ", ".join(f"{k} {v['status']}" for k, v in st.items()), file=sys.stderr,
                   flush=True)
+            report["rows"] = [done[n] for n in sorted(done)]
+            save(out / name / "log.txt")
         report["rows"] = [done[n] for n in sorted(done)]
-    report["seconds"] = report.get("seconds", 0.0) + time.perf_counter() - t0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    (out / "gpu_matrix.md").write_text(table)
+    table = save()
     print(table)
-    print(f"gpu_matrix: wrote {path} and {out / 'gpu_matrix.md'}", file=sys.stderr)
+    print(f"gpu_matrix: wrote {path} and {out / 'gpu_matrix.md'}" + (f" (and into {results})" if results else ""),
+          file=sys.stderr)
     failed = [r["recipe"] for r in report["rows"] if any(s["status"] == "fail" for s in r.get("stages", {}).values())]
     return 1 if failed else 0
 

@@ -47,3 +47,28 @@ def test_tiny_matrix_rows_pass_every_stage(matrix, tmp_path):
     assert rows["causal_lm_grpo"]["stages"]["export"]["status"] == "n/a"
     table = (tmp_path / "gpu_matrix.md").read_text()
     assert "| `sd35_flowgrpo` | tiny | pass | pass | pass | pass |" in table
+
+
+def test_deadline_and_stage_timeout(matrix, tmp_path):
+    """A device call keeps its results: a stage past its limit is stopped with its process group (exit 124), and
+    with no time left before --deadline no row starts, each says so, and --results holds the JSON and the table."""
+    import subprocess
+    import time
+
+    child = tmp_path / "child.pid"
+    t0 = time.perf_counter()
+    code, text = matrix.run_subprocess([sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen("
+                                        "[sys.executable, '-c', 'import time; time.sleep(60)']); "
+                                        f"open({str(child)!r}, 'w').write(str(p.pid)); time.sleep(60)"], 2.0)
+    assert code == matrix.TIMED_OUT and "ran past its 2 s limit" in text and time.perf_counter() - t0 < 30
+    pid = int(child.read_text())
+    time.sleep(0.5)
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    assert state == "" or state.startswith("Z"), state  # the grandchild was stopped with its group
+
+    results = tmp_path / "results"
+    code = matrix.main(["--tiny", "--only", "sd35_flowgrpo", "--out", str(tmp_path / "work"), "--results",
+                        str(results), "--deadline", "0"])
+    report = json.loads((results / "gpu_matrix.json").read_text())
+    assert code == 0 and report["rows"][0]["not_run"].startswith("the call's deadline")
+    assert "| `sd35_flowgrpo` | tiny | not run: the call's deadline" in (results / "gpu_matrix.md").read_text()
