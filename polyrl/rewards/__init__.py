@@ -2,6 +2,7 @@ from . import (  # noqa: F401  (register the built-in scorers)
     aesthetic,
     clap,
     clip_score,
+    edit_reward,
     geneval,
     group_diversity,
     hps,
