@@ -675,7 +675,7 @@ def run_row(row: Row, out: Path, tiny: bool, device: str, peak_tflops: float | N
     return result
 
 
-def plan_rows(names: list[str], card_gib: float, margin: float = 0.95) -> list[dict]:
+def plan_rows(names: list[str], card_gib: float, margin: float = 0.95, extra: list[str] | None = None) -> list[dict]:
     """The memory plan of every published row's config on one GPU of `card_gib`, from its checkpoint built on the meta
     device (no memory, no files): whether the row fits (within `margin` of the card: the plan's error on the
     recorded runs reaches ±10%), else the plan's smallest change and its GPUs."""
@@ -694,7 +694,7 @@ def plan_rows(names: list[str], card_gib: float, margin: float = 0.95) -> list[d
         inventory = meta_inventory(row.workload if row.recipe != "wan22_ti2v_flowgrpo" else "wan22_ti2v")
         data = ["data.pairs_path=/nonexistent.jsonl"] if row.data == "pairs" else []
         overrides = [f"recipe={name}", "model.path=/nonexistent", "data.path=/nonexistent.txt", *data,
-                     *[a for a in row.reward if "=" in a], *row.published_args]
+                     *[a for a in row.reward if "=" in a], *row.published_args, *(extra or [])]
         try:
             cfg = load_config(overrides)
         except Exception as e:
@@ -703,7 +703,7 @@ def plan_rows(names: list[str], card_gib: float, margin: float = 0.95) -> list[d
         prompt_tokens = 256 if row.workload == "grpo_lm" else None
         plan = estimate(cfg, inventory, 1, prompt_tokens=prompt_tokens)
         item = {"recipe": name, "plan_gib": round(plan.peak_gib, 1), "fits": plan.peak_gib <= margin * card_gib,
-                "overrides": row.published_args, "calibration": plan.calibration}
+                "overrides": [*row.published_args, *(extra or [])], "calibration": plan.calibration}
         if not item["fits"]:
             found = fits(cfg, inventory, margin * card_gib)
             item["change"] = None if found is None else {"overrides": found[0], "gpus": found[1],
@@ -854,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.plan_only is not None:
         names = a.only.split(",") if a.only else real_recipes()
-        for item in plan_rows(names, a.plan_only):
+        for item in plan_rows(names, a.plan_only, extra=extra):
             print(json.dumps(item))
         return 0
     device = a.device or ("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
@@ -921,7 +921,7 @@ def main(argv: list[str] | None = None) -> int:
         plans = {}
         if device == "cuda" and not a.tiny:  # rows whose plan does not fit this card are not run: their layout instead
             card_gib = torch.cuda.mem_get_info()[1] / 2**30
-            plans = {item["recipe"]: item for item in plan_rows(names, card_gib)}
+            plans = {item["recipe"]: item for item in plan_rows(names, card_gib, extra=extra)}
         for name in names:
             item = plans.get(name, {})
             if item.get("fits") is False:
