@@ -838,9 +838,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan-only", type=float, default=None, metavar="GIB",
                    help="print the memory plan of every published row on one GPU of GIB GiB, run nothing")
     p.add_argument("--results", default=None, metavar="DIR",
-                   help="also write the results here after every row: gpu_matrix.json (unless --json names another "
-                        "file), gpu_matrix.md (the table) and gpu_matrix_logs.txt (each row's log tail); e.g. $OUT on "
-                        "the device machine, which returns only that folder")
+                   help="also write the results here after every row: gpu_matrix.json (with --json FILE: the rows "
+                        "of FILE merged with this call's, FILE updated too), gpu_matrix.md (the table) and "
+                        "gpu_matrix_logs.txt (each row's log tail); e.g. $OUT on the device machine, which returns "
+                        "only that folder")
     p.add_argument("--deadline", type=float, default=None, metavar="S",
                    help="seconds from the start after which no stage starts and a running one is stopped (rows left "
                         "say 'not run'); keep it under the device call's limit so the results are written")
@@ -891,6 +892,8 @@ def main(argv: list[str] | None = None) -> int:
         if results is not None:
             results.mkdir(parents=True, exist_ok=True)
             (results / "gpu_matrix.md").write_text(table)
+            if path.resolve() != (results / "gpu_matrix.json").resolve():  # --json merged into a file of the tree
+                (results / "gpu_matrix.json").write_text(json.dumps(report, indent=2) + "\n")
             if log is not None and log.is_file():
                 lines = log.read_text(errors="replace").splitlines()
                 with open(results / "gpu_matrix_logs.txt", "a") as f:
