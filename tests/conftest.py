@@ -20,7 +20,7 @@ SLOW = {
     "test_algorithms_cli.py", "test_export.py", "test_wan_train.py", "test_pretrain_motion.py", "test_eval_toy.py",
     "test_bagel.py::test_two_flow_grpo_steps_through_the_cli",
     "test_cli_errors.py::test_serve_reward_imports_the_users_file",
-    # a judge server (transformers serve) killed mid-run and started again
+    # a training run over a judge server (transformers serve) that goes away mid-run, resumed when it is back
     "test_judge_openai.py::test_train_over_the_served_judge_outage_and_resume",
 }
 

@@ -1,5 +1,5 @@
 """A real OpenAI-compatible judge server for the tests (`transformers serve` on a tiny judge, a process of its own)
-and a small fault-injecting proxy in front of it (429s, slow answers, the server killed)."""
+and a small fault-injecting proxy in front of it (429s, slow answers, the server gone)."""
 
 import json
 import os
@@ -12,6 +12,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
+
+DEAD = "http://127.0.0.1:9"  # nothing listens on the discard port: a connection there is refused (ConnectError)
 
 
 def free_port() -> int:
@@ -62,13 +64,15 @@ class FaultProxy:
     """An HTTP proxy to `upstream` (a base URL with /v1) on a thread. Every request must carry `Authorization:
     Bearer <key>` when `key` is set (401 otherwise). `plan(n, path)` is asked for the n-th POST (0-based) and answers
     None (forward it), ("status", code, retry_after or None), ("delay", seconds) (forward after waiting) or
-    ("kill", ServedJudge) (SIGKILL the server, then forward: the forward fails and the proxy answers 502, as a
-    gateway does). `log` holds (monotonic arrival time, method, path, the fault applied) per request."""
+    ("down",) (the upstream is gone from this request on, until `restore()`: every forward goes to a port nothing
+    listens on, fails with a real ConnectError, and the proxy answers 502, as a gateway does when its server died;
+    no second server start is needed to bring it back). `log` holds (monotonic arrival time, method, path, the fault
+    applied) per request."""
 
     def __init__(self, upstream: str, key: str | None = None, plan=None):
         self.upstream, self.key, self.plan = upstream.rstrip("/"), key, plan or (lambda n, path: None)
         self.log: list[tuple[float, str, str, str]] = []
-        self.posts, self.lock = 0, threading.Lock()
+        self.posts, self.lock, self.down = 0, threading.Lock(), False
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -95,6 +99,9 @@ class FaultProxy:
                     if method == "POST":
                         fault = proxy.plan(proxy.posts, self.path)
                         proxy.posts += 1
+                    if fault is not None and fault[0] == "down":
+                        proxy.down = True
+                    down = proxy.down
                     proxy.log.append((time.monotonic(), method, self.path, repr(fault)))
                 if proxy.key is not None and self.headers.get("Authorization") != f"Bearer {proxy.key}":
                     return self._reply(401, json.dumps({"error": "invalid API key"}).encode())
@@ -103,9 +110,8 @@ class FaultProxy:
                     return self._reply(fault[1], json.dumps({"error": f"injected {fault[1]}"}).encode(), extra)
                 if fault is not None and fault[0] == "delay":
                     time.sleep(fault[1])
-                if fault is not None and fault[0] == "kill":
-                    fault[1].kill()
-                url = proxy.upstream + self.path.removeprefix("/v1")
+                upstream = DEAD if down else proxy.upstream
+                url = upstream + self.path.removeprefix("/v1")
                 try:
                     resp = httpx.request(method, url, content=body, timeout=60,
                                          headers={"Content-Type": self.headers.get("Content-Type", "")})
@@ -131,6 +137,11 @@ class FaultProxy:
     def __exit__(self, *exc) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+    def restore(self) -> None:
+        """The upstream is back (after a ("down",) fault)."""
+        with self.lock:
+            self.down = False
 
     def post_times(self) -> list[float]:
         return [t for t, method, _, _ in self.log if method == "POST"]

@@ -2,7 +2,7 @@
 tiny scripted Qwen2.5-VL judge (tests/tiny_judges.py) that answers "3" to a question about a square, "8" about a
 triangle, "5" about squares, "ranking:2,1" when asked to rank, and UnifiedReward's answers for the
 `unified_reward` adapter; a fault-injecting proxy in front of it for the API key, 429s, slow answers and the server
-killed mid-run (tests/judge_servers.py)."""
+gone mid-run (tests/judge_servers.py)."""
 
 import base64
 import io
@@ -176,14 +176,14 @@ def _train_args(model_dir, prompts, out, steps, reward_args):
 def test_train_over_the_served_judge_outage_and_resume(served, tiny_sd3_dir, shape_prompts_file, tmp_path,
                                                        monkeypatch, capsys):
     """`polyrl train` with the judge inside reward=mix, scored while the rollout runs (reward.async=true), through a
-    proxy that checks the API key. Step 1 is scored; at step 2's first request the proxy SIGKILLs the server: the
-    retries get 502s, the run saves step 1 and stops with one line naming the URL and the last status. The server
-    restarts, the run resumes and ends; every evaluation sample's judge score is its own prompt's; the key is in no
-    file the run wrote."""
+    proxy that checks the API key. Step 1 is scored; from step 2's first request the server is gone (the proxy's
+    forwards are refused: ConnectError, as from a killed server): the retries get 502s, the run saves step 1 and
+    stops with one line naming the URL and the last status. The server is back, the run resumes and ends; every
+    evaluation sample's judge score is its own prompt's; the key is in no file the run wrote."""
     monkeypatch.setenv("POLYRL_JUDGE_API_KEY", KEY)
     out = tmp_path / "run"
-    kill_at = 4 + 4  # the step-0 evaluation's 4 requests, step 1's 4; then step 2's first request
-    with FaultProxy(served.url, key=KEY, plan=lambda n, path: ("kill", served) if n == kill_at else None) as proxy:
+    down_at = 4 + 4  # the step-0 evaluation's 4 requests, step 1's 4; then step 2's first request
+    with FaultProxy(served.url, key=KEY, plan=lambda n, path: ("down",) if n == down_at else None) as proxy:
         judge = {"weight": 1.0, "backend": "openai", "url": proxy.url, "max_retries": 2, "backoff": 0.05,
                  **{k: v for k, v in JUDGE.items() if k != "name"}}
         args = _train_args(tiny_sd3_dir, shape_prompts_file, out, 3, [
@@ -195,7 +195,7 @@ def test_train_over_the_served_judge_outage_and_resume(served, tiny_sd3_dir, sha
                 f"{proxy.url}/chat/completions failed 3 attempts (reward.max_retries=2); last status: HTTP 502: "
                 "upstream ConnectError") in err
         assert f"saved checkpoint {out / 'checkpoints' / 'step_000001'} (step 1)\nresume with: polyrl train " in err
-        served.start()
+        proxy.restore()
         assert main(args + ["trainer.resume=auto"]) == 0
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "reward/mean" in m] == [1, 2, 3]
