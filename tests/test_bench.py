@@ -88,7 +88,10 @@ def test_bench_under_torchrun_reports_per_gpu_rates_and_the_one_process_numbers(
     written, the rate is per step and per GPU, and the step's numbers are the one-process run's (same global batch)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     # float64 networks: the layouts then differ by the order of float64 sums, not by one CPU's float32 kernels
-    args = ["bench", "--tiny", "--epochs", "1", "--warmup", "0", "trainer.progress=false", "model.dtype=float64"]
+    # sampling calls of 4 images in both runs (the ranks' share): the float32 VAE decode behind the JPEG reward then
+    # sees the same shapes, whatever kernel a CPU picks per batch size
+    args = ["bench", "--tiny", "--epochs", "1", "--warmup", "0", "trainer.progress=false", "model.dtype=float64",
+            "rollout.batch_size=4"]
     # the one-process run in a process of its own with the ranks' thread count: run in pytest's process (2 threads
     # on CI) a float32 VAE decode behind the JPEG reward split its sums otherwise (AVX2: reward/mean -3.903250 vs
     # -3.903125 for the ranks)
