@@ -4,15 +4,16 @@ recorded metrics, and dynamic sampling works for a diffusion algorithm too.
 The runs below (3 deterministic steps each) run their networks in float64 (`model.dtype=float64`): one CPU's float32
 rounding is not a contract (oneDNN, MKL and ATen pick kernels per instruction set and batch shape; on an AVX-512
 machine float32 records moved by up to 1.5e-4 relative where a loss cancels). `one_loop_golden.json` was recorded
-with `python tests/test_one_loop.py --record` on 2026-12-05 (a 2-core AMD EPYC, AVX2). What the tolerance covers: the
-parts that stay float32 in a float64 run — diffusers' sinusoidal timestep embedding (float32 exp / sin / cos, whose
-vectorised and scalar kernels differ by an ulp), the float32 VAE that encodes offline pairs and decodes for the
-rewards, stored float32 trajectories. With `ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41
-MKL_ENABLE_INSTRUCTIONS=SSE4_2` (no AVX at all) against the AVX2 records the largest difference was 2.5e-6 relative
-(offline DPO's margin; ≤ 4e-7 for the online diffusion runs, ≤ 6e-10 for the token runs), and 5e-11 absolute on
-`ratio_absdev/first_minibatch` (numerical noise around 1e-10); rel 1e-5 / abs 1e-9 hold that with a margin, while
-a changed draw, order or formula moves these numbers by far more. The first recording (float32, before the loop was
-unified, e688569) is in git history as one_loop_before.json."""
+with `python tests/test_one_loop.py --record` on 2026-12-06 (a 2-core AMD EPYC, AVX2) at the sizes in RUNS (the
+2026-12-05 recording at the recipes' 64 px / 10 steps is in git history; the code of this recording passed it). What
+the tolerance covers: the parts that stay float32 in a float64 run — diffusers' sinusoidal timestep embedding
+(float32 exp / sin / cos, whose vectorised and scalar kernels differ by an ulp), the float32 VAE that encodes offline
+pairs and decodes for the rewards, stored float32 trajectories. With `ATEN_CPU_CAPABILITY=default
+ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2` (no AVX at all) against the AVX2 records the largest
+difference was 3.9e-6 relative (Flow-GRPO's policy loss; ≤ 8e-7 for the other diffusion runs, ≤ 3e-15 for the token
+runs), and 2.4e-11 absolute on `ratio_absdev/first_minibatch` (numerical noise around 1e-10): at most 0.08 of
+rel 1e-5 / abs 1e-9, while a changed draw, order or formula moves these numbers by far more. The first recording
+(float32, before the loop was unified, e688569) is in git history as one_loop_before.json."""
 
 import json
 import sys
@@ -27,13 +28,19 @@ from polyrl.cli.main import main
 GOLDEN_PATH = Path(__file__).parent / "one_loop_golden.json"
 COMMON = ["trainer.max_steps=3", "trainer.eval_every=0", "trainer.save_every=0", "trainer.deterministic=true",
           "trainer.progress=false", "trainer.seed=0", "model.dtype=float64"]
+# the toy recipes at a test's size: 32 px (the recipes' 64 px / 48 px would only make the same code paths slower) and
+# 5 denoising steps; toy_motion 5 frames. Flow-GRPO keeps the recipe's 10 steps: at 5 its step-1 policy loss (a sum
+# that cancels) moved by 2.9e-5 relative without AVX, past the tolerance; at 10 steps, 1.5e-6 (what each run moves
+# without AVX, as a fraction of its tolerance: ≤ 0.08)
+SMALL = ["rollout.height=32", "rollout.width=32", "rollout.num_steps=5", "rollout.sde_window_range=[0,2]"]
 RUNS = {
-    "toy_shapes_nft": ["data.prompts_per_step=2", "rollout.n=4"],  # the default recipe (DiffusionNFT)
-    "toy_shapes_flow_grpo": ["recipe=toy_flow_grpo", "data.prompts_per_step=2", "rollout.n=4"],
+    "toy_shapes_nft": ["data.prompts_per_step=2", "rollout.n=4", *SMALL],  # the default recipe (DiffusionNFT)
+    "toy_shapes_flow_grpo": ["recipe=toy_flow_grpo", "data.prompts_per_step=2", "rollout.n=4", "rollout.height=32",
+                             "rollout.width=32"],
     "toy_count_grpo": ["recipe=toy_count", "data.prompts_per_step=4"],
     "toy_count_dapo": ["recipe=toy_count", "algorithm=dapo", "data.prompts_per_step=4"],
-    "toy_motion": ["recipe=toy_motion", "data.prompts_per_step=2", "rollout.n=4"],
-    "toy_shapes_offline_dpo": ["recipe=toy_diffusion_dpo", "data.prompts_per_step=2"],  # + data.pairs_path
+    "toy_motion": ["recipe=toy_motion", "data.prompts_per_step=2", "rollout.n=4", *SMALL, "rollout.num_frames=5"],
+    "toy_shapes_offline_dpo": ["recipe=toy_diffusion_dpo", "data.prompts_per_step=2", *SMALL],  # + data.pairs_path
 }
 SKIP = ("time/", "perf/")  # wall-clock numbers
 
@@ -151,8 +158,12 @@ def test_a_step_option_with_a_bad_value_is_a_config_error(tiny_sd3_dir, tmp_path
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
     import tempfile
 
+    import time
+
     golden = {}
     for name in RUNS:
         with tempfile.TemporaryDirectory() as tmp:
+            start = time.perf_counter()
             golden[name] = _run(name, Path(tmp))
+            print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     GOLDEN_PATH.write_text(json.dumps(golden, indent=1) + "\n")
