@@ -157,7 +157,6 @@ def test_a_step_option_with_a_bad_value_is_a_config_error(tiny_sd3_dir, tmp_path
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
     import tempfile
-
     import time
 
     golden = {}
