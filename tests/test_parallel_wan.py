@@ -7,7 +7,9 @@ chosen so that the token count is odd and sp2 pads: TI2V at 9 frames × 96 × 32
 pixels, 3 × 3 × 1 = 9 tokens after the 1×2×2 patch (shares of 5, one pad key masked); the two-expert Wan2.2-A14B
 layout (Wan2.1 VAE, per-sample timesteps, activation checkpointing: the first block's split runs again in each
 recompute) at 1 frame × 48 × 16 px is 1 × 3 × 1 = 3 tokens. Rewards are read from the latents by a fixed linear head
-(continuous in the samples). Float32; every logged number and the trained LoRA weights to 1e-6.
+(continuous in the samples). Float32; every logged number and the trained LoRA weights to 1e-6 (`assert_same`'s
+defaults). Not float64 as tests/test_parallel_world2.py: in a float64 run the Wan parts that stay float32 (the
+timestep and rotary embeddings, the stored trajectories) still move sp2's kl by 4.4e-6 relative from one process's.
 """
 
 from __future__ import annotations
