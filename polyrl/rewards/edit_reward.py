@@ -29,25 +29,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..errors import UserError
 from ..models.base import prompt_text
-from .base import (
-    RewardOutput,
-    check_batch,
-    image_batch_as_uint8,
-    media_kind,
-    register_reward,
-    resolve_device,
-    resolve_dtype,
-)
+from .base import RewardOutput, check_batch, media_kind, register_reward, resolve_device, resolve_dtype
 from .clip_score import local_dir
-from .hps import REWARD_TOKEN, chat_template, head_from_state, hpsv3_image_size
-from .qwen_rm import load_state, merged_state, special_hidden
+from .heads import head_from_state
+from .hps import REWARD_TOKEN
+from .qwen_rm import (
+    load_base,
+    load_state,
+    merged_state,
+    model_inputs,
+    render_turn,
+    resized_picture,
+    rgb_pictures,
+    token_states,
+)
 
 POOLINGS = ("mean", "min", "sum")
+IMAGE_PIXELS = 256 * 28 * 28  # the inferencer's min_pixels = max_pixels
 # EditReward/dataset/prompts.py and the suffix of dataset/data_collator_qwen_edit.py (prompt_with_special_token);
 # their trailing spaces are part of them
 INSTRUCTION_EDIT_FOLLOWING = (
@@ -270,8 +272,6 @@ class EditReward:
 
     def __init__(self, path: str, checkpoint: str, source_key: str = "image", reward_dim: str = "overall_detail",
                  pooling: str = "mean", device: str = "auto", dtype: str = "bfloat16"):
-        from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
-
         if pooling not in POOLINGS:
             raise ValueError(f"edit_reward: pooling={pooling!r} is not valid; allowed: {', '.join(POOLINGS)}")
         if reward_dim not in INSTRUCTIONS:
@@ -282,13 +282,9 @@ class EditReward:
         root = Path(local_dir(path, "edit_reward path (the base Qwen2.5-VL directory)"))
         file = checkpoint_file(checkpoint)
         self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(root))
-        self.tokenizer.padding_side = "right"  # EditReward's processor
+        self.tokenizer, self.template, self.image_processor, model = load_base(root, "edit_reward", self.dtype)
         self.tokenizer.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
         self.reward_id = self.tokenizer.convert_tokens_to_ids(REWARD_TOKEN)
-        self.template = chat_template(root, self.tokenizer, "edit_reward")
-        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(root))
-        model = AutoModelForImageTextToText.from_pretrained(str(root), dtype=self.dtype)
         if model.config.model_type != "qwen2_5_vl":
             raise UserError(f"edit_reward: {root} is a {model.config.model_type} model; EditReward's base is "
                             "Qwen2.5-VL (Qwen2.5-VL-7B-Instruct or MiMo-VL-7B-SFT-2508)")
@@ -328,14 +324,15 @@ class EditReward:
             if multi != list(range(len(multi))) or len(multi) > len(MULTI_HEAD_DIMS):
                 raise UserError(f"edit_reward: {file} has heads {multi}; EditReward's multi-head model has head_0 "
                                 "(instruction following) and head_1 (visual quality)")
-            return [head_from_state(state, f"rm_heads.head_{i}.") for i in multi], list(MULTI_HEAD_DIMS[:len(multi)])
+            heads = [head_from_state(state, f"rm_heads.head_{i}.", "relu", f"edit_reward: {file}") for i in multi]
+            return heads, list(MULTI_HEAD_DIMS[:len(multi)])
         if "rm_head.weight" in state:  # rm_head_type "default": one Linear
             layer = torch.nn.Linear(state["rm_head.weight"].shape[1], state["rm_head.weight"].shape[0], bias=False)
             with torch.no_grad():
                 layer.weight.copy_(state["rm_head.weight"].float())
             return [layer.eval()], [self.reward_dim]
         try:
-            return [head_from_state(state, "rm_head.")], [self.reward_dim]
+            return [head_from_state(state, "rm_head.", "relu", f"edit_reward: {file}")], [self.reward_dim]
         except ValueError:
             raise UserError(f"edit_reward: {file} has no reward head (rm_heads.head_<i>.* or rm_head.*): not an "
                             "EditReward checkpoint") from None
@@ -359,50 +356,32 @@ class EditReward:
                 raise UserError(f"reward edit_reward: source image {path}: {e}") from None
         return out
 
-    def inputs(self, sources: list, edited: list[np.ndarray], instructions: list[str], reward_dim: str) -> dict:
-        """Steps 1–2 of the module docstring: the batch EditReward's processor call gives."""
-        from PIL import Image
-
-        pictures = []
-        for src, array in zip(sources, edited, strict=True):
-            for picture in (src, Image.fromarray(array).convert("RGB")):
-                h, w = hpsv3_image_size(picture.height, picture.width)
-                pictures.append(picture.resize((w, h), Image.BICUBIC))
+    def inputs(self, sources: list, edited: list, instructions: list[str], reward_dim: str) -> dict:
+        """Steps 1–2 of the module docstring (sources and edited results as PIL RGB images): the batch EditReward's
+        processor call gives."""
+        pictures = [resized_picture(picture, IMAGE_PIXELS) for pair in zip(sources, edited, strict=True) for picture in pair]
         vision = self.image_processor(images=pictures, return_tensors="pt")
         counts = (vision["image_grid_thw"].prod(-1) // self.image_processor.merge_size**2).tolist()
-        texts = []
-        for i, instruction in enumerate(instructions):
-            turn = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
-                                                 {"type": "text", "text": edit_reward_text(instruction, reward_dim)}]}]
-            text = self.tokenizer.apply_chat_template(turn, chat_template=self.template, tokenize=False,
-                                                      add_generation_prompt=True)
-            parts = text.split(self.image_token)
-            if len(parts) != 3:
-                raise ValueError(f"edit_reward: the chat template renders {len(parts) - 1} image placeholders for two "
-                                 "images")
-            texts.append(parts[0] + self.image_token * counts[2 * i] + parts[1] + self.image_token * counts[2 * i + 1]
-                         + parts[2])
-        tok = self.tokenizer(texts, padding=True, return_tensors="pt")
-        return {"input_ids": tok.input_ids.to(self.device), "attention_mask": tok.attention_mask.to(self.device),
-                "pixel_values": vision["pixel_values"].to(self.device, self.dtype),
-                "image_grid_thw": vision["image_grid_thw"].to(self.device)}
+        content = [{"type": "image"}, {"type": "image"}]
+        texts = [render_turn(self.tokenizer, self.template,
+                             [*content, {"type": "text", "text": edit_reward_text(instruction, reward_dim)}],
+                             self.image_token, counts[2 * i:2 * i + 2], "edit_reward")
+                 for i, instruction in enumerate(instructions)]
+        return model_inputs(self.tokenizer, texts, "image", vision["pixel_values"], vision["image_grid_thw"],
+                            self.device, self.dtype)
 
     @torch.no_grad()
     def __call__(self, images, prompts, metadata=None) -> RewardOutput:
         metadata = check_batch("edit_reward", images.shape[0], prompts, metadata)
         if media_kind(images) != "images":
             raise ValueError(f"edit_reward scores images (B, 3, H, W), got {tuple(images.shape)}")
-        sources, edited = self.sources(metadata), image_batch_as_uint8(images)
+        sources, edited = self.sources(metadata), rgb_pictures(images)
         instructions = [prompt_text(p) for p in prompts]
         outputs = []
         for head, dim in zip(self.heads, self.dims, strict=True):
             batch = self.inputs(sources, edited, instructions, dim)
-            ids = batch["input_ids"]
-            if not bool(((ids == self.reward_id).sum(1) == 1).all()):
-                raise ValueError(f"edit_reward: each sample must hold exactly one {REWARD_TOKEN} token (an instruction "
-                                 "containing it?)")
-            hidden = special_hidden(self.model, batch, "image")
-            outputs.append(head(hidden[ids == self.reward_id].float()).cpu())
+            hidden = token_states(self.model, batch, "image", self.reward_id, REWARD_TOKEN, "edit_reward")
+            outputs.append(head(hidden.float()).cpu())
         stacked = torch.stack(outputs)
         pooled = pool_heads(stacked, self.pooling) if len(outputs) > 1 else stacked[0]
         extras = {f"edit_reward/{HEAD_NAMES[k]}": stacked[k, :, 0].tolist() for k in range(len(outputs))} \

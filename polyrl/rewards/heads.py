@@ -1,4 +1,5 @@
-"""Small MLP heads stored as safetensors, shared by the learned scorers (aesthetic, latent, hpsv3).
+"""Small MLP heads stored as safetensors, shared by the learned scorers (aesthetic, latent; the
+ranknet heads of hpsv3 and edit_reward come from a checkpoint's state dict).
 
 A head file holds the Linear layers of an `nn.Sequential` under `<prefix><i>.weight` / `<prefix><i>.bias`
 (the layout `torch.save(sequential.state_dict())` gives; indices need not be contiguous, so the Dropout /
@@ -46,17 +47,22 @@ def load_mlp_head(path: str | Path, prefix: str = "layers.", activation: str = "
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"MLP head file {str(path)!r} not found")
-    state = load_file(str(path))
+    return head_from_state(load_file(str(path)), prefix, activation, str(path))
+
+
+def head_from_state(state: dict[str, torch.Tensor], prefix: str, activation: str, where: str) -> MLPHead:
+    """An `MLPHead` (float32, eval) from the `<prefix><i>.weight` / `.bias` tensors of a state dict (the module
+    docstring's layout); `where` names the file in errors."""
     indices = sorted({int(k[len(prefix):].split(".")[0]) for k in state
                       if k.startswith(prefix) and k.endswith(".weight") and k[len(prefix):].split(".")[0].isdigit()})
     if not indices:
-        raise ValueError(f"{path}: no '{prefix}<i>.weight' tensors (keys: {', '.join(sorted(state)[:8])})")
+        raise ValueError(f"{where}: no '{prefix}<i>.weight' tensors (keys: {', '.join(sorted(state)[:8])})")
     layers = []
     for i in indices:
         w = state[f"{prefix}{i}.weight"]
         b = state.get(f"{prefix}{i}.bias")
         if w.ndim != 2 or (layers and layers[-1].out_features != w.shape[1]):
-            raise ValueError(f"{path}: {prefix}{i}.weight has shape {tuple(w.shape)}, which does not follow the "
+            raise ValueError(f"{where}: {prefix}{i}.weight has shape {tuple(w.shape)}, which does not follow the "
                              "previous layer")
         layer = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
         with torch.no_grad():

@@ -1,7 +1,10 @@
-"""Pieces shared by the Qwen-VL reward models that read a hidden state at special tokens (`videoalign`,
-`edit_reward`; `hpsv3` has its own copy of the forward): Qwen-VL's frame / image sizing, the Qwen2-VL patch layout,
-the reward checkpoints' state dicts (PEFT prefixes, LoRA merged, transformers-4.45 key names), and the forward the
-authors wrote themselves (text decoder without position ids).
+"""A Qwen-VL regression reward model, the pieces `hpsv3`, `edit_reward` and `videoalign` share: the base directory
+(tokenizer with right padding, chat template, Qwen2-VL's PIL image processor, model), Qwen-VL's frame / image sizing,
+the Qwen2-VL patch layout, the user turn rendered with its vision placeholders expanded and the batch a Qwen2-VL
+processor call gives, the reward checkpoints' state dicts (PEFT prefixes, LoRA merged, transformers-4.45 key names),
+and the forward the authors wrote themselves (text decoder without position ids) read at the reward tokens. What
+each model publishes (prompt texts, special tokens, heads, normalisation) stays in its own file; the ranknet heads
+are `heads.head_from_state`.
 
 `smart_resize` is qwen-vl-utils' (sides multiples of `factor`, area in [min_pixels, max_pixels], aspect kept);
 `smart_nframes` its frame count for a video of `total` frames at `video_fps` sampled at `fps` (or asked for
@@ -10,19 +13,51 @@ authors wrote themselves (text decoder without position ids).
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from pathlib import Path
 
 import torch
 
-from .hps import current_key
+from .base import image_batch_as_uint8
 
 FRAME_FACTOR = 2  # qwen-vl-utils: frame counts are even
 FPS_MIN_FRAMES, FPS_MAX_FRAMES = 4, 768
 MAX_RATIO = 200
 PEFT_PREFIX = "base_model.model."
+IMAGE_FACTOR = 28  # Qwen2-VL: 14-pixel patches merged 2×2
+# transformers 4.45 key names (HPSv3.safetensors, VideoReward's files) -> the current Qwen2-VL / Qwen2.5-VL layout
+LEGACY_KEYS = ((re.compile(r"^visual\."), "model.visual."),
+               (re.compile(r"^model\.(?!language_model\.|visual\.)"), "model.language_model."))
 
 
+# ----------------------------------------------------------------------------------------------- the base directory
+def chat_template(root: Path, tokenizer, who: str) -> str:
+    """The processor's chat template (chat_template.jinja / chat_template.json), else the tokenizer's."""
+    if (root / "chat_template.jinja").is_file():
+        return (root / "chat_template.jinja").read_text()
+    if (root / "chat_template.json").is_file():
+        return json.loads((root / "chat_template.json").read_text())["chat_template"]
+    if tokenizer.chat_template is None:
+        raise ValueError(f"{who}: {root} has no chat template (chat_template.jinja / .json or the tokenizer's)")
+    return tokenizer.chat_template
+
+
+def load_base(root: Path, who: str, dtype: torch.dtype) -> tuple:
+    """(tokenizer, chat template, image processor, model) of a base directory: the tokenizer with right padding (the
+    reward models' processors pad on the right), Qwen2-VL's PIL image processor (the default of transformers 4.45,
+    which the reward models pin), the model in `dtype` on the CPU."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(str(root))
+    tokenizer.padding_side = "right"
+    template = chat_template(root, tokenizer, who)
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(root))
+    return tokenizer, template, image_processor, AutoModelForImageTextToText.from_pretrained(str(root), dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------- inputs
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """(h, w): round each side to a multiple of `factor`; above `max_pixels` scale by √(H·W / max) and floor, below
     `min_pixels` by √(min / (H·W)) and ceil (to the factor)."""
@@ -37,6 +72,21 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         beta = math.sqrt(min_pixels / (height * width))
         h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
     return h, w
+
+
+def rgb_pictures(images: torch.Tensor) -> list:
+    """(B, 3, H, W) in [0, 1] -> B PIL RGB images of its uint8 values (what the reward models read from files)."""
+    from PIL import Image
+
+    return [Image.fromarray(array).convert("RGB") for array in image_batch_as_uint8(images)]
+
+
+def resized_picture(picture, pixels: int, factor: int = IMAGE_FACTOR):
+    """A PIL image resized with PIL bicubic to `smart_resize`'s size for min_pixels = max_pixels = `pixels`."""
+    from PIL import Image
+
+    h, w = smart_resize(picture.height, picture.width, factor, pixels, pixels)
+    return picture.resize((w, h), Image.BICUBIC)
 
 
 def smart_nframes(total: int, video_fps: float, fps: float | None = None, nframes: int | None = None) -> int:
@@ -82,6 +132,37 @@ def qwen_patches(frames: torch.Tensor, patch: int, merge: int, temporal: int) ->
     x = frames.reshape(gt, temporal, c, gh // merge, merge, patch, gw // merge, merge, patch)
     x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
     return x.reshape(gt * gh * gw, c * temporal * patch * patch), [gt, gh, gw]
+
+
+def render_turn(tokenizer, template: str, content: list[dict], placeholder: str, counts: list[int], who: str) -> str:
+    """One user turn `content` in the chat template with the generation prompt, the i-th `placeholder` repeated
+    counts[i] times (grid_t·grid_h·grid_w / merge² tokens, as Qwen2-VL's processor expands them)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], chat_template=template,
+                                         tokenize=False, add_generation_prompt=True)
+    parts = text.split(placeholder)
+    if len(parts) != len(counts) + 1:
+        raise ValueError(f"{who}: the chat template renders {len(parts) - 1} {placeholder} placeholders for "
+                         f"{len(counts)} inputs")
+    return parts[0] + "".join(placeholder * n + part for n, part in zip(counts, parts[1:], strict=True))
+
+
+def model_inputs(tokenizer, texts: list[str], kind: str, pixels: torch.Tensor, grids: torch.Tensor, device,
+                 dtype: torch.dtype) -> dict:
+    """The batch a Qwen2-VL processor call gives: the texts tokenized with padding, the patches and their grids
+    under `kind`'s names (pixel_values / image_grid_thw, or pixel_values_videos / video_grid_thw)."""
+    tok = tokenizer(texts, padding=True, return_tensors="pt")
+    values, grid = ("pixel_values", "image_grid_thw") if kind == "image" else ("pixel_values_videos", "video_grid_thw")
+    return {"input_ids": tok.input_ids.to(device), "attention_mask": tok.attention_mask.to(device),
+            values: pixels.to(device, dtype), grid: grids.to(device)}
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+def current_key(key: str) -> str:
+    """A transformers-4.45 Qwen2-VL key in the current layout (current keys pass unchanged)."""
+    for pattern, replacement in LEGACY_KEYS:
+        if pattern.match(key):
+            return pattern.sub(replacement, key, count=1)
+    return key
 
 
 def load_state(file: Path) -> dict[str, torch.Tensor]:
@@ -134,6 +215,7 @@ def merged_state(state: dict[str, torch.Tensor], base: dict[str, torch.Tensor], 
     return plain
 
 
+# ----------------------------------------------------------------------------------------------- forward
 def special_hidden(model, batch: dict, kind: str) -> torch.Tensor:
     """The authors' forward (VideoAlign's Qwen2VLRewardModelBT, EditReward's heads, HPSv3): token embeddings with the
     vision tower's merged patches scattered into the `kind` placeholders ("image" / "video"), then the text decoder
@@ -153,3 +235,11 @@ def special_hidden(model, batch: dict, kind: str) -> torch.Tensor:
         raise ValueError(f"{int(mask[..., 0].sum())} {kind} placeholders for {patches.shape[0]} merged patches")
     embeds = embeds.masked_scatter(mask, patches.to(embeds.dtype))
     return inner.language_model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).last_hidden_state
+
+
+def token_states(model, batch: dict, kind: str, token_id: int, token: str, who: str) -> torch.Tensor:
+    """(B, D): `special_hidden` at the reward token, which each sample must hold exactly once."""
+    ids = batch["input_ids"]
+    if not bool(((ids == token_id).sum(1) == 1).all()):
+        raise ValueError(f"{who}: each sample must hold exactly one {token} token (a prompt containing it?)")
+    return special_hidden(model, batch, kind)[ids == token_id]

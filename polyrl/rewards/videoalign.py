@@ -43,11 +43,13 @@ from ..errors import UserError
 from ..models.base import prompt_text
 from .base import RewardOutput, check_batch, media_kind, register_reward, resolve_device, resolve_dtype
 from .clip_score import local_dir
-from .hps import chat_template
 from .qwen_rm import (
+    load_base,
     load_state,
     merged_state,
+    model_inputs,
     qwen_patches,
+    render_turn,
     resize_frames,
     smart_nframes,
     smart_resize,
@@ -240,16 +242,10 @@ class VideoAlign:
         return config
 
     def load(self, base: Path, ckpt: Path, model_cfg: dict, lora: dict, device: str, dtype: str) -> None:
-        from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
-
         self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(base))
-        self.tokenizer.padding_side = "right"  # upstream's processor
+        self.tokenizer, self.template, self.image_processor, model = load_base(base, "videoalign", self.dtype)
         self.tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
         self.special_ids = self.tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
-        self.template = chat_template(base, self.tokenizer, "videoalign")
-        self.processor = Qwen2VLImageProcessorPil.from_pretrained(str(base))
-        model = AutoModelForImageTextToText.from_pretrained(str(base), dtype=self.dtype)
         if model.config.model_type != "qwen2_vl":
             raise UserError(f"videoalign: {base} is a {model.config.model_type} model; VideoReward is Qwen2-VL based")
         model.resize_token_embeddings(len(self.tokenizer))
@@ -285,8 +281,8 @@ class VideoAlign:
             self.head.weight.copy_(head)
         self.head.to(self.device)
         self.video_token = "<|video_pad|>"
-        self.mean = torch.tensor(self.processor.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
-        self.std = torch.tensor(self.processor.image_std, dtype=torch.float32).view(1, 3, 1, 1)
+        self.mean = torch.tensor(self.image_processor.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
+        self.std = torch.tensor(self.image_processor.image_std, dtype=torch.float32).view(1, 3, 1, 1)
 
     # ------------------------------------------------------------------------------------------- preprocessing
     def frames(self, clip: torch.Tensor) -> torch.Tensor:
@@ -294,7 +290,7 @@ class VideoAlign:
         u8 = (clip.detach().float().cpu().clamp(0, 1) * 255).round()
         n = smart_nframes(int(u8.shape[0]), self.video_fps, None if self.num_frames else self.fps, self.num_frames)
         picked = u8[uniform_indices(int(u8.shape[0]), n)]
-        p = self.processor
+        p = self.image_processor
         factor = p.patch_size * p.merge_size
         h, w = smart_resize(int(u8.shape[2]), int(u8.shape[3]), factor, VIDEO_MIN_PIXELS, self.max_pixels)
         lo = getattr(p, "min_pixels", None) or p.size.shortest_edge
@@ -307,24 +303,17 @@ class VideoAlign:
 
     def inputs(self, video: torch.Tensor, prompts: list[str]) -> dict:
         """The batch upstream's processor call gives (steps 1–3)."""
-        p = self.processor
+        p = self.image_processor
         patches, grids, texts = [], [], []
         for clip, prompt in zip(video, prompts, strict=True):
             x, grid = qwen_patches(self.frames(clip), p.patch_size, p.merge_size, p.temporal_patch_size)
             patches.append(x)
             grids.append(grid)
-            turn = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": videoalign_text(prompt)}]}]
-            text = self.tokenizer.apply_chat_template(turn, chat_template=self.template, tokenize=False,
-                                                      add_generation_prompt=True)
-            if text.count(self.video_token) != 1:
-                raise ValueError(f"videoalign: the chat template renders {text.count(self.video_token)} video "
-                                 "placeholders for one video")
             count = grid[0] * grid[1] * grid[2] // p.merge_size**2
-            texts.append(text.replace(self.video_token, self.video_token * count))
-        tok = self.tokenizer(texts, padding=True, return_tensors="pt")
-        return {"input_ids": tok.input_ids.to(self.device), "attention_mask": tok.attention_mask.to(self.device),
-                "pixel_values_videos": torch.cat(patches).to(self.device, self.dtype),
-                "video_grid_thw": torch.tensor(grids, dtype=torch.long, device=self.device)}
+            content = [{"type": "video"}, {"type": "text", "text": videoalign_text(prompt)}]
+            texts.append(render_turn(self.tokenizer, self.template, content, self.video_token, [count], "videoalign"))
+        return model_inputs(self.tokenizer, texts, "video", torch.cat(patches), torch.tensor(grids, dtype=torch.long),
+                            self.device, self.dtype)
 
     @torch.no_grad()
     def raw(self, video: torch.Tensor, prompts: list[str]) -> torch.Tensor:
