@@ -4,14 +4,11 @@ inference (its two instructions, the <|Reward|> suffix, both images resized to 2
 positions, head 0 on the following turn and head 1 on the quality turn, the mean of their outputs), sample by
 sample; the source image comes from the edit row's metadata as the edit recipes hand it."""
 
-import math
-import re
-
 import numpy as np
 import pytest
+import qwen_rm_fixtures as fx
 import torch
 from PIL import Image
-from tiny_judges import judge_tokenizer
 
 from polyrl.errors import UserError
 from polyrl.rewards import build_reward
@@ -148,54 +145,23 @@ Please provide the overall ratings of this image: <|Reward|>
 
 END
 """
-QWEN_TEMPLATE = (
-    "{% for m in messages %}{% if loop.first and m.role != 'system' %}<|im_start|>system\nYou are a helpful "
-    "assistant.<|im_end|>\n{% endif %}<|im_start|>{{ m.role }}\n{% for c in m.content %}{% if c.type == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c.text }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-HIDDEN = 32
 INSTRUCTIONS = ["make the ball red", "remove the cat from the sofa"]  # different lengths: right padding
-
-
-def ranknet(seed):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(HIDDEN, 1024), torch.nn.ReLU(), torch.nn.Dropout(0.05),
-                               torch.nn.Linear(1024, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
 
 
 def build_editreward(root):
     """`root/base`: a tiny Qwen2.5-VL-7B-Instruct stand-in (no <|Reward|>, vocab larger than the tokenizer);
     `root/ckpt/model.pth`: other weights for it with the <|Reward|> row and two ranknet heads, as EditReward saves
     them (torch.save of the model's state dict)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
-
-    words = re.findall(r"\w+|[^\w\s]+", UPSTREAM_EDIT_FOLLOWING + UPSTREAM_EDIT_QUALITY + UPSTREAM_EDIT_OVERALL
-                       + UPSTREAM_EDIT_OVERALL_DETAILED + UPSTREAM_SPECIAL + " ".join(INSTRUCTIONS))
-    tok = judge_tokenizer(words)
-    tok.chat_template = QWEN_TEMPLATE
+    tok = fx.word_tokenizer(UPSTREAM_EDIT_FOLLOWING + UPSTREAM_EDIT_QUALITY + UPSTREAM_EDIT_OVERALL
+                         + UPSTREAM_EDIT_OVERALL_DETAILED + UPSTREAM_SPECIAL + " ".join(INSTRUCTIONS))
     vocab = tok.get_vocab()
-    config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(vocab) + 5, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=tok.pad_token_id,
-                         initializer_range=0.05, tie_word_embeddings=False,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=HIDDEN,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0]),
-        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
-        vision_start_token_id=vocab["<|vision_start|>"], tie_word_embeddings=False)
+    config = fx.tiny_config("qwen2_5_vl", vocab, extra_rows=5, pad_token_id=tok.pad_token_id, initializer_range=0.05)
     base = root / "base"
-    torch.manual_seed(0)
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(str(base))
-    tok.save_pretrained(str(base))
-    Qwen2VLImageProcessorPil().save_pretrained(str(base))
-    (base / "chat_template.jinja").write_text(QWEN_TEMPLATE)
-    torch.manual_seed(1)
-    tuned = Qwen2_5_VLForConditionalGeneration(config)
-    tuned.resize_token_embeddings(len(vocab) + 1)  # EditReward: resize_token_embeddings(len(tokenizer)) after the add
+    fx.save_base(base, config, tok)
+    tuned = fx.tuned_model(config, len(vocab) + 1)  # EditReward: resize_token_embeddings(len(tokenizer)) after the add
     state = dict(tuned.state_dict())
     for i in range(2):
-        state.update({f"rm_heads.head_{i}.{k}": v for k, v in ranknet(10 + i).state_dict().items()})
+        state.update({f"rm_heads.head_{i}.{k}": v for k, v in fx.ranknet(10 + i).state_dict().items()})
     (root / "ckpt").mkdir()
     torch.save(state, str(root / "ckpt" / "model.pth"))
     return base, root / "ckpt", state
@@ -216,21 +182,9 @@ def editreward(tmp_path_factory):
     return base, ckpt, state, sources, reward
 
 
-def smart_size(h, w, pixels=256 * 28 * 28):
-    """qwen-vl-utils' smart_resize for min = max = pixels, written out."""
-    hb, wb = max(28, round(h / 28) * 28), max(28, round(w / 28) * 28)
-    if hb * wb > pixels:
-        beta = math.sqrt(h * w / pixels)
-        return math.floor(h / beta / 28) * 28, math.floor(w / beta / 28) * 28
-    if hb * wb < pixels:
-        beta = math.sqrt(pixels / (h * w))
-        return math.ceil(h * beta / 28) * 28, math.ceil(w * beta / 28) * 28
-    return hb, wb
-
-
 def reference(base, state, source: str, edited: torch.Tensor, instruction: str) -> torch.Tensor:
     """EditReward's inference by hand in float64, one sample: (μ, s) of each head on its own turn, then their mean."""
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(base))
     tok = AutoTokenizer.from_pretrained(str(base))
@@ -238,31 +192,18 @@ def reference(base, state, source: str, edited: torch.Tensor, instruction: str) 
     model.resize_token_embeddings(len(tok))
     model.load_state_dict({k: v for k, v in state.items() if not k.startswith("rm_heads.")})
     model = model.double().eval()
-    pictures = []
-    for picture in (Image.open(source).convert("RGB"),
-                    Image.fromarray((edited.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy())):
-        h, w = smart_size(picture.height, picture.width)
-        pictures.append(picture.resize((w, h), Image.BICUBIC))
-    vision = Qwen2VLImageProcessorPil.from_pretrained(str(base))(images=pictures, return_tensors="pt")
+    vision = fx.reference_vision(base, [Image.open(source).convert("RGB"), fx.picture(edited)])
     n0, n1 = (int(g.prod()) // 4 for g in vision["image_grid_thw"])
     outs = []
     for i, instruction_text in enumerate((UPSTREAM_EDIT_FOLLOWING, UPSTREAM_EDIT_QUALITY)):
-        text = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
-                + "<|image_pad|>" * n0 + "<|vision_end|><|vision_start|>" + "<|image_pad|>" * n1 + "<|vision_end|>"
-                + instruction_text.format(text_prompt=instruction) + UPSTREAM_SPECIAL
-                + "<|im_end|>\n<|im_start|>assistant\n")
+        text = fx.chat_string("<|vision_start|>" + "<|image_pad|>" * n0 + "<|vision_end|><|vision_start|>"
+                              + "<|image_pad|>" * n1 + "<|vision_end|>",
+                              instruction_text.format(text_prompt=instruction) + UPSTREAM_SPECIAL)
         ids = tok(text, return_tensors="pt").input_ids
-        with torch.no_grad():
-            embeds = model.get_input_embeddings()(ids)
-            embeds[ids == model.config.image_token_id] = model.model.visual(
-                vision["pixel_values"].double(), grid_thw=vision["image_grid_thw"]).pooler_output
-            pos = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
-            x = model.model.language_model(inputs_embeds=embeds, position_ids=pos).last_hidden_state[
-                ids == tok.convert_tokens_to_ids("<|Reward|>")][0]
-        head = {k: v.double() for k, v in ranknet(10 + i).state_dict().items()}
-        x = torch.relu(head["0.weight"] @ x + head["0.bias"])
-        x = torch.relu(head["3.weight"] @ x + head["3.bias"])
-        outs.append(head["5.weight"] @ x + head["5.bias"])
+        hidden = fx.reference_hidden(model, ids, vision["pixel_values"], vision["image_grid_thw"],
+                                     model.config.image_token_id)
+        at_reward = hidden[ids == tok.convert_tokens_to_ids("<|Reward|>")][0]
+        outs.append(fx.reference_ranknet(fx.ranknet(10 + i).state_dict(), at_reward))
     return torch.stack(outs)  # (2 heads, 2)
 
 
@@ -272,7 +213,7 @@ def test_prompts_are_editrewards_verbatim():
     assert INSTRUCTION_EDIT_OVERALL == UPSTREAM_EDIT_OVERALL
     assert INSTRUCTION_EDIT_OVERALL_DETAILED == UPSTREAM_EDIT_OVERALL_DETAILED
     assert PROMPT_WITH_SPECIAL_TOKEN == UPSTREAM_SPECIAL
-    assert smart_size(40, 56) == (392, 532)
+    assert fx.smart_size(40, 56) == (392, 532)
 
 
 def test_score_equals_an_independent_float64_computation(editreward):
@@ -302,7 +243,7 @@ def test_missing_source_and_wrong_checkpoints_are_user_errors(editreward, tmp_pa
     torch.save({k: v for k, v in state.items() if not k.startswith("rm_heads.")}, str(tmp_path / "model.pth"))
     with pytest.raises(UserError, match="no reward head"):
         build_reward({"name": "edit_reward", "path": str(base), "checkpoint": str(tmp_path), "device": "cpu"})
-    torch.save({"rm_head.weight": torch.zeros(1, HIDDEN), "visual.blocks.0.x": torch.zeros(1)},
+    torch.save({"rm_head.weight": torch.zeros(1, fx.HIDDEN), "visual.blocks.0.x": torch.zeros(1)},
                str(tmp_path / "model.pth"))
     with pytest.raises(UserError, match="does not fit"):
         build_reward({"name": "edit_reward", "path": str(base), "checkpoint": str(tmp_path), "device": "cpu"})

@@ -2,11 +2,9 @@
 the `<|Reward|>` embedding row, the ranknet head): the score equals an independent float64 computation of HPSv3's
 inference recipe (its instruction text, special token, image resize, 1-D positions and head), sample by sample."""
 
-import math
-
 import pytest
+import qwen_rm_fixtures as fx
 import torch
-from PIL import Image
 from safetensors.torch import save_file
 
 from polyrl.rewards import build_reward
@@ -42,15 +40,6 @@ END
 """
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
             "<|video_pad|>"]
-# Qwen2-VL's chat template (default system prompt, image placeholder) reduced to what one image + text turn uses
-QWEN2VL_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
-    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
-    "{% for content in message['content'] %}{% if content['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ content['text'] }}{% endif %}{% endfor %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-HIDDEN = 32
 
 
 def build_backbone_and_checkpoint(root):
@@ -58,12 +47,7 @@ def build_backbone_and_checkpoint(root):
     the real one); `root/HPSv3.safetensors`: other weights for it, embeddings resized to the tokenizer + <|Reward|>, a
     ranknet head, in transformers-4.45 key names."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import (
-        PreTrainedTokenizerFast,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessorPil,
-    )
+    from transformers import PreTrainedTokenizerFast
 
     words = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]+|\n"), behavior="removed", invert=True).pre_tokenize_str(
         UPSTREAM_INSTRUCTION + UPSTREAM_SPECIAL + " system user assistant You are a helpful red circle blue square")
@@ -76,25 +60,11 @@ def build_backbone_and_checkpoint(root):
     tok.add_special_tokens(SPECIALS)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", unk_token="<unk>",
                                         extra_special_tokens={"image_token": "<|image_pad|>"})
-    config = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(vocab) + 5, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, initializer_range=0.2,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=1, embed_dim=16, hidden_size=HIDDEN, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
-        vision_start_token_id=vocab["<|vision_start|>"])
+    config = fx.tiny_config("qwen2_vl", vocab, extra_rows=5, pad_token_id=0, initializer_range=0.2)
     backbone = root / "backbone"
-    torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(config).save_pretrained(str(backbone))
-    tokenizer.save_pretrained(str(backbone))
-    Qwen2VLImageProcessorPil().save_pretrained(str(backbone))
-    (backbone / "chat_template.jinja").write_text(QWEN2VL_TEMPLATE)
-    torch.manual_seed(1)
-    tuned = Qwen2VLForConditionalGeneration(config)
-    tuned.resize_token_embeddings(len(vocab) + 1)  # HPSv3: resize_token_embeddings(len(tokenizer)) after the add
-    head = torch.nn.Sequential(torch.nn.Linear(HIDDEN, 1024), torch.nn.ReLU(), torch.nn.Dropout(0.05),
-                               torch.nn.Linear(1024, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    fx.save_base(backbone, config, tokenizer)
+    tuned = fx.tuned_model(config, len(vocab) + 1)  # HPSv3: resize_token_embeddings(len(tokenizer)) after the add
+    head = fx.ranknet()
     legacy = {}
     for key, value in tuned.state_dict().items():
         key = key.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1)
@@ -118,7 +88,7 @@ def reference_score(backbone, legacy, image: torch.Tensor, prompt: str, position
     size, the chat string with the instruction, image placeholders expanded to the merged patch count, embeddings with
     the vision tower's output scattered in, the text decoder at positions 0..L−1 (or Qwen2-VL's own M-RoPE positions
     with `positions="mrope"`), the head at the <|Reward|> token."""
-    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
     model = Qwen2VLForConditionalGeneration.from_pretrained(str(backbone))
     model.resize_token_embeddings(legacy["model.embed_tokens.weight"].shape[0])
@@ -129,43 +99,23 @@ def reference_score(backbone, legacy, image: torch.Tensor, prompt: str, position
         elif key.startswith("model."):
             key = "model.language_model." + key[len("model."):]
         state[key] = value
-    head = {k[len("rm_head."):]: v.double() for k, v in state.items() if k.startswith("rm_head.")}
+    head = {k[len("rm_head."):]: v for k, v in state.items() if k.startswith("rm_head.")}
     model.load_state_dict({k: v for k, v in state.items() if not k.startswith("rm_head.")}, strict=True)
     model = model.double().eval()
     tokenizer = AutoTokenizer.from_pretrained(str(backbone))
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|Reward|>"]})
-    array = (image.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
-    picture = Image.fromarray(array)
-    h, w = picture.height, picture.width
-    h_bar, w_bar = max(28, round(h / 28) * 28), max(28, round(w / 28) * 28)
-    if h_bar * w_bar > 200704:
-        beta = math.sqrt(h * w / 200704)
-        h_bar, w_bar = math.floor(h / beta / 28) * 28, math.floor(w / beta / 28) * 28
-    elif h_bar * w_bar < 200704:
-        beta = math.sqrt(200704 / (h * w))
-        h_bar, w_bar = math.ceil(h * beta / 28) * 28, math.ceil(w * beta / 28) * 28
-    vision = Qwen2VLImageProcessorPil.from_pretrained(str(backbone))(
-        images=[picture.resize((w_bar, h_bar), Image.BICUBIC)], return_tensors="pt")
+    vision = fx.reference_vision(backbone, [fx.picture(image)])
     n = int(vision["image_grid_thw"][0].prod()) // 4
-    text = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
-            + "<|image_pad|>" * n + "<|vision_end|>" + UPSTREAM_INSTRUCTION.format(text_prompt=prompt)
-            + UPSTREAM_SPECIAL + "<|im_end|>\n<|im_start|>assistant\n")
+    text = fx.chat_string("<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>",
+                          UPSTREAM_INSTRUCTION.format(text_prompt=prompt) + UPSTREAM_SPECIAL)
     ids = tokenizer(text, return_tensors="pt").input_ids
-    with torch.no_grad():
-        embeds = model.get_input_embeddings()(ids)
-        patches = model.model.visual(vision["pixel_values"].double(), grid_thw=vision["image_grid_thw"]).pooler_output
-        embeds[ids == model.config.image_token_id] = patches
-        if positions == "hpsv3":
-            pos = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
-        else:
-            types = (ids == model.config.image_token_id).int()  # 1: image token
-            pos, _ = model.model.get_rope_index(ids, types, vision["image_grid_thw"], None, torch.ones_like(ids))
-        hidden = model.model.language_model(inputs_embeds=embeds, position_ids=pos).last_hidden_state
-        x = hidden[ids == tokenizer.convert_tokens_to_ids("<|Reward|>")]
-        for i in (0, 3, 5):
-            x = x @ head[f"{i}.weight"].T + head[f"{i}.bias"]
-            x = torch.relu(x) if i != 5 else x
-    return x[0]
+    pos = None
+    if positions != "hpsv3":
+        types = (ids == model.config.image_token_id).int()  # 1: image token
+        pos, _ = model.model.get_rope_index(ids, types, vision["image_grid_thw"], None, torch.ones_like(ids))
+    hidden = fx.reference_hidden(model, ids, vision["pixel_values"], vision["image_grid_thw"],
+                                 model.config.image_token_id, pos)
+    return fx.reference_ranknet(head, hidden[ids == tokenizer.convert_tokens_to_ids("<|Reward|>")])[0]
 
 
 def test_prompt_pieces_are_hpsv3s_verbatim():

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from qwen_rm_fixtures import HIDDEN, chat_string, reference_hidden, save_base, tiny_config, word_tokenizer
 from safetensors.torch import save_file
-from tiny_judges import judge_tokenizer
 
 from polyrl.errors import UserError
 from polyrl.rewards import build_reward
@@ -56,15 +56,7 @@ Textual prompt - {text_prompt}
 Please provide the ratings of Text Alignment: <|TA_reward|>
 END
 """
-# Qwen2-VL's chat template reduced to a user turn of one video + text (default system turn, generation prompt)
-QWEN2VL_TEMPLATE = (
-    "{% for m in messages %}{% if loop.first and m.role != 'system' %}<|im_start|>system\nYou are a helpful "
-    "assistant.<|im_end|>\n{% endif %}<|im_start|>{{ m.role }}\n{% for c in m.content %}{% if c.type == 'video' %}"
-    "<|vision_start|><|video_pad|><|vision_end|>{% elif c.type == 'image' %}<|vision_start|><|image_pad|>"
-    "<|vision_end|>{% else %}{{ c.text }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-HIDDEN, R, ALPHA = 32, 4, 8
+R, ALPHA = 4, 8
 STATS = {"VQ_mean": 0.3, "VQ_std": 2.0, "MQ_mean": -0.1, "MQ_std": 0.5, "TA_mean": 0.2, "TA_std": 1.5}
 PROMPTS = ["a red ball rolls left", "a cat"]  # different lengths: right padding
 SPECIAL = ["<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>"]
@@ -75,29 +67,11 @@ def build_videoreward(root, output_dim=1):
     `root/videoreward`: model_config.json and checkpoint-7 (an older checkpoint-3 of zeros) holding LoRA adapters and
     the non-LoRA weights (vision merger, resized embeddings with the three reward rows, rm_head) as upstream saves
     them. Returns the directories and the tensors written."""
-    import re
-
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
-
-    words = re.findall(r"\w+|[^\w\s]+", UPSTREAM_PROMPT + " ".join(PROMPTS))
-    tok = judge_tokenizer(words)
-    tok.chat_template = QWEN2VL_TEMPLATE
+    tok = word_tokenizer(UPSTREAM_PROMPT + " ".join(PROMPTS))
     vocab = tok.get_vocab()
-    config = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(vocab) + 9, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=tok.pad_token_id,
-                         initializer_range=0.05, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=1, embed_dim=16, hidden_size=HIDDEN, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
-        vision_start_token_id=vocab["<|vision_start|>"])
+    config = tiny_config("qwen2_vl", vocab, extra_rows=9, pad_token_id=tok.pad_token_id, initializer_range=0.05)
     base = root / "base"
-    torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(config)
-    model.save_pretrained(str(base))
-    tok.save_pretrained(str(base))
-    Qwen2VLImageProcessorPil().save_pretrained(str(base))
-    (base / "chat_template.jinja").write_text(QWEN2VL_TEMPLATE)
+    model = save_base(base, config, tok)
     vr = root / "videoreward"
     gen = torch.Generator().manual_seed(1)
     lora = {}
@@ -167,15 +141,10 @@ def reference_raw(base, lora, non_lora, clip: torch.Tensor, prompt: str, n: int)
                         y, z = (2 * bh + mh) * 14, (2 * bw + mw) * 14
                         rows.append(x[2 * gt:2 * gt + 2, :, y:y + 14, z:z + 14].permute(1, 0, 2, 3).reshape(-1))
     pixels, grid = torch.stack(rows), torch.tensor([[n // 2, gh, gw]])
-    text = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
-            + "<|video_pad|>" * (len(rows) // 4) + "<|vision_end|>" + UPSTREAM_PROMPT.format(text_prompt=prompt)
-            + "<|im_end|>\n<|im_start|>assistant\n")
+    text = chat_string("<|vision_start|>" + "<|video_pad|>" * (len(rows) // 4) + "<|vision_end|>",
+                       UPSTREAM_PROMPT.format(text_prompt=prompt))
     ids = tok(text, return_tensors="pt").input_ids
-    with torch.no_grad():
-        embeds = model.get_input_embeddings()(ids)
-        embeds[ids == model.config.video_token_id] = model.model.visual(pixels, grid_thw=grid).pooler_output
-        pos = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
-        hidden = model.model.language_model(inputs_embeds=embeds, position_ids=pos).last_hidden_state[0]
+    hidden = reference_hidden(model, ids, pixels, grid, model.config.video_token_id)[0]
     at = [int((ids[0] == tok.convert_tokens_to_ids(s)).nonzero()) for s in SPECIAL]
     return torch.stack([hidden[p] @ head[0] for p in at])  # output_dim 1: the one output at each token
 
