@@ -1,4 +1,7 @@
 import os
+import signal
+import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -43,6 +46,41 @@ def train_in_process(args: list[str]) -> None:
         assert main(["train", *args]) == 0
     finally:
         torch.set_num_threads(threads)
+
+
+class Background:
+    """A command started now and awaited later: a `torchrun` launch (whose ranks run at one thread each) runs while
+    this process trains the one-process reference at one thread, instead of after it with a core idle (CI has two).
+    Its output goes to files (a pipe nobody reads could fill and stop it); `wait` returns the CompletedProcess, and
+    leaving the `with` block before that ends the command and its children (its own process group)."""
+
+    def __init__(self, cmd: list[str], **kwargs):
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=self._err, text=True, start_new_session=True,
+                                     **kwargs)
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._end()
+            raise
+        self._out.seek(0)
+        self._err.seek(0)
+        return subprocess.CompletedProcess(self.proc.args, code, self._out.read(), self._err.read())
+
+    def __enter__(self):
+        return self
+
+    def _end(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __exit__(self, *exc):
+        self._end()
+        self._out.close()
+        self._err.close()
 
 
 SHAPE_PROMPTS = [

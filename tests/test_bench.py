@@ -3,12 +3,12 @@
 import json
 import math
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import Background
 from diffusers import SD3Transformer2DModel, WanTransformer3DModel
 
 from polyrl.cli.main import main
@@ -95,12 +95,12 @@ def test_bench_under_torchrun_reports_per_gpu_rates_and_the_one_process_numbers(
     # the one-process run in a process of its own with the ranks' thread count: run in pytest's process (2 threads
     # on CI) a float32 VAE decode behind the JPEG reward split its sums otherwise (AVX2: reward/mean -3.903250 vs
     # -3.903125 for the ranks)
-    one = subprocess.run([sys.executable, "-m", "polyrl", *args, "--out", str(tmp_path / "one")], env=env,
-                         capture_output=True, text=True, timeout=300)
+    # (both launched at once: three one-thread processes on CI's two cores instead of one process, then two)
+    with Background([sys.executable, "-m", "polyrl", *args, "--out", str(tmp_path / "one")], env=env) as one_run, \
+            Background([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                        "polyrl", *args, "--out", str(tmp_path / "two")], env=env) as two_run:
+        one, two = one_run.wait(timeout=300), two_run.wait(timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                          "polyrl", *args, "--out", str(tmp_path / "two")], env=env, capture_output=True, text=True,
-                         timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("images/s per GPU (2 GPUs)") == 1  # rank 0 alone prints the table
     a, b = (json.loads((tmp_path / d / "bench.json").read_text()) for d in ("one", "two"))

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from conftest import train_in_process
+from conftest import Background, train_in_process
 from safetensors.torch import load_file
 
 from polyrl.distributed import LocalEngine, ParallelDims
@@ -26,11 +26,15 @@ from polyrl.distributed.dims import shard_range
 SKIP = ("time/", "perf/")
 
 
-def _run(args: list[str], cwd, nproc: int = 2) -> subprocess.CompletedProcess:
+def _launch(args: list[str], cwd, nproc: int = 2) -> Background:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
                 "polyrl"]
-    out = subprocess.run(launcher + ["train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return Background(launcher + ["train", *args], cwd=cwd, env=env)
+
+
+def _finished(launch: Background) -> subprocess.CompletedProcess:
+    out = launch.wait(timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
@@ -49,11 +53,15 @@ def test_two_process_run_equals_one_process_run_with_resume(tiny_sd3_dir, shape_
               "trainer.save_every=1", "trainer.progress=false", "trainer.tensorboard=false", "trainer.device=cpu",
               "model.dtype=float64"]
     one, two = tmp_path / "one", tmp_path / "two"
-    train_in_process(common + ["trainer.max_steps=3", f"trainer.output_dir={one}"])
-    first = _run(common + ["trainer.max_steps=2", f"trainer.output_dir={two}"], tmp_path, nproc=2)
+    # the first 2-process segment runs while this process trains the one-process run (one thread each)
+    with _launch(common + ["trainer.max_steps=2", f"trainer.output_dir={two}"], tmp_path, nproc=2) as launch:
+        train_in_process(common + ["trainer.max_steps=3", f"trainer.output_dir={one}"])
+        first = _finished(launch)
     assert "2 ranks: dp=2" in first.stderr
     assert (two / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
-    _run(common + ["trainer.max_steps=3", f"trainer.output_dir={two}", "trainer.resume=auto"], tmp_path, nproc=2)
+    with _launch(common + ["trainer.max_steps=3", f"trainer.output_dir={two}", "trainer.resume=auto"], tmp_path,
+                 nproc=2) as launch:
+        _finished(launch)
 
     m1, m2 = _metrics(one), _metrics(two)
     assert [m["step"] for m in m1] == [m["step"] for m in m2] == [0, 1, 2, 3]

@@ -15,14 +15,13 @@ import glob
 import os
 import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoint_helpers import logged_steps, metrics, step_weights, train_args
-from conftest import train_in_process
+from conftest import Background, train_in_process
 
 from polyrl.rewards import RewardOutput, register_reward
 from polyrl.rewards.jpeg import jpeg_kilobytes
@@ -60,17 +59,27 @@ if os.environ.get("POLYRL_TEST_KILL_SHARDS"):  # rank 1 dies once its shards of 
     FSDP2Actor.save_weights = _save_then_die
 
 
+STEPS = 3
+# Flow-GRPO: its update draws nothing, so 2 ranks train as 1 process does (DiffusionNFT's update noise is drawn per
+# rank, which a 1-process run does not repeat)
+COMMON = ["recipe=toy_flow_grpo", "actor.num_minibatches=2", "trainer.device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_sd3_dir, shape_prompts_file, tmp_path_factory):
+    """The uninterrupted run both cases end as: one process, the local backend."""
+    run = tmp_path_factory.mktemp("elastic_reference") / "reference"
+    train_in_process(train_args(tiny_sd3_dir, shape_prompts_file, run, STEPS, *COMMON, reward="test_rank_kill")[1:])
+    return run
+
+
 @pytest.mark.parametrize("backend", ["local", "fsdp2"])
 def test_a_killed_rank_is_one_line_and_torchrun_restarts_the_run_exactly(tiny_sd3_dir, shape_prompts_file, tmp_path,
-                                                                           backend):
-    steps = 3
-    # Flow-GRPO: its update draws nothing, so 2 ranks train as 1 process does (DiffusionNFT's update noise is drawn
-    # per rank, which a 1-process run does not repeat)
-    common = ["recipe=toy_flow_grpo", "actor.num_minibatches=2", "trainer.device=cpu"]
+                                                                           request, backend):
+    steps, common = STEPS, COMMON
     layout = ["trainer.save_every=10"] if backend == "local" else [
         "trainer.save_every=1", "actor.backend=fsdp2", "parallel.dp_shard=2"]
-    reference, run = tmp_path / "reference", tmp_path / "run"  # the reference: one process, the local backend
-    train_in_process(train_args(tiny_sd3_dir, shape_prompts_file, reference, steps, *common, reward="test_rank_kill")[1:])
+    run = tmp_path / "run"
     kill = ["reward.at=3"] if backend == "local" else []  # calls 1, 2: steps 1, 2 (one per rank and step)
     args = train_args(tiny_sd3_dir, shape_prompts_file, run, steps, *common, *layout, "trainer.resume=auto", *kill,
                       reward="test_rank_kill")
@@ -81,8 +90,10 @@ def test_a_killed_rank_is_one_line_and_torchrun_restarts_the_run_exactly(tiny_sd
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     if backend == "fsdp2":
         env["POLYRL_TEST_KILL_SHARDS"] = "step_000002.tmp"
-    out = subprocess.run(launcher + [args[0], "--import", __file__, *args[1:]], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=600)
+    # the first case's launch runs while this process trains the reference (one thread each)
+    with Background(launcher + [args[0], "--import", __file__, *args[1:]], cwd=tmp_path, env=env) as launch:
+        reference = request.getfixturevalue("reference")
+        out = launch.wait(timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
 
     def rank_err(attempt: int, rank: int) -> str:

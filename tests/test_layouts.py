@@ -12,7 +12,7 @@ rounding; a draw keyed by the layout instead of the sample moves these numbers b
 Runs: each algorithm trains 2 steps in this process (uninterrupted, with whole mini-batches, a checkpoint at every
 step), then step 2 again, resumed from a copy of that run's step-1 checkpoint with micro-batches of 1 (the resume and
 the micro-batched update of the same step: one launch instead of two), and once more on 2 ranks in one `torchrun`
-launch for all algorithms (layouts_worker.py).
+launch for all algorithms (layouts_worker.py), started first: it runs while this process trains (one thread each).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import Background
 from safetensors.torch import load_file
 
 from polyrl.algorithms import ALGORITHMS
@@ -140,7 +140,25 @@ def test_every_registered_algorithm_has_a_layout_case():
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(cases, tmp_path_factory):
+def two_ranks_launch(cases, tmp_path_factory, request):
+    """Every algorithm's 2-step run on 2 data-parallel ranks, all in one torchrun launch (layouts_worker.py), started
+    before the one-process runs (`uninterrupted` asks for it first) so that it runs while they do, one thread each;
+    (None, None) where no selected test compares the two layouts."""
+    if not any("two_ranks" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        yield None, None
+        return
+    root = tmp_path_factory.mktemp("two_ranks")
+    plan = root / "plan.json"
+    plan.write_text(json.dumps({name: ["train", *args(root / name), "trainer.max_steps=2"] for name, args in cases.items()}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    worker = Path(__file__).parent / "layouts_worker.py"
+    with Background([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(worker),
+                     str(plan), str(root / "codes.json")], env=env) as launch:
+        yield root, launch
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cases, two_ranks_launch, tmp_path_factory):
     """Each algorithm's reference: 2 steps in one process, each mini-batch in one forward."""
     root = tmp_path_factory.mktemp("uninterrupted")
     for name, args in cases.items():
@@ -168,16 +186,10 @@ def test_micro_batches_and_a_resume_change_nothing(name, cases, uninterrupted, t
 
 
 @pytest.fixture(scope="module")
-def two_ranks(cases, tmp_path_factory):
-    """Every algorithm's 2-step run on 2 data-parallel ranks, all in one torchrun launch (layouts_worker.py)."""
-    root = tmp_path_factory.mktemp("two_ranks")
-    plan = root / "plan.json"
-    plan.write_text(json.dumps({name: ["train", *args(root / name), "trainer.max_steps=2"] for name, args in cases.items()}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    worker = Path(__file__).parent / "layouts_worker.py"
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(worker), str(plan), str(root / "codes.json")],
-                         env=env, capture_output=True, text=True, timeout=900)
+def two_ranks(two_ranks_launch):
+    """(the runs' root, each run's exit code, the launch's stderr)."""
+    root, launch = two_ranks_launch
+    out = launch.wait(timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return root, json.loads((root / "codes.json").read_text()), out.stderr
 

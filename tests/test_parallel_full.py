@@ -15,7 +15,10 @@ is not a parallelism error. With eps 1e-4 that division no longer amplifies nois
 
 from __future__ import annotations
 
-from test_parallel_world2 import assert_same, build_fixture_dir, common, run_cli
+import sys
+
+from conftest import Background, train_in_process
+from test_parallel_world2 import _env, assert_same, build_fixture_dir, common
 
 FULL = ["recipe=toy_diffusion_nft", "rollout.noise_level=0.0", "rollout.sde_window_size=0",
         "rollout.sde_window_range=[0,0]", "algorithm.num_timesteps=1", "algorithm.decay=0.5", "algorithm.ref_coef=0.1", "actor.lora_rank=0",
@@ -27,8 +30,12 @@ def test_full_finetune_sp2_tp2_with_checkpointing_equals_one_process(tmp_path):
     paths = build_fixture_dir(tmp_path, heads=4, head_dim=8)
     base = common(paths, num_steps=2) + FULL  # Hydra applies the keys after composing the recipe, wherever they stand
     ref, par = tmp_path / "one", tmp_path / "sp2_tp2"
-    run_cli(base + [f"trainer.output_dir={ref}"], tmp_path)
-    out = run_cli(base + ["actor.backend=fsdp2", "parallel.sp=2", "parallel.tp=2", f"trainer.output_dir={par}"],
-                  tmp_path, nproc=4)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m", "polyrl"]
+    # the 4 ranks run while this process trains the one-process run (one thread each)
+    with Background(launcher + ["train", *base, "actor.backend=fsdp2", "parallel.sp=2", "parallel.tp=2",
+                                f"trainer.output_dir={par}"], cwd=tmp_path, env=_env()) as launch:
+        train_in_process(base + [f"trainer.output_dir={ref}"])
+        out = launch.wait(timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
     assert "polyrl: run directory" in out.stderr
     assert_same(ref, par, [0, 1, 2], "transformer.safetensors")

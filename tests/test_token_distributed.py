@@ -5,25 +5,22 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import train_in_process
+from conftest import Background, train_in_process
 from safetensors.torch import load_file
 
 ROWS = [{"prompt": f"question {i}: what comes after {i}?", "answer": str(i + 1)} for i in range(6)]
 SKIP = ("time/", "perf/")
 
 
-def _run(args, cwd, nproc=2):
+def _launch(args, cwd, nproc=2) -> Background:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
                 "polyrl"]
-    out = subprocess.run(launcher + ["train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
+    return Background(launcher + ["train", *args], cwd=cwd, env=env)
 
 
 def _metrics(run_dir):
@@ -42,8 +39,11 @@ def test_two_process_token_run_equals_one_process_run(tiny_qwen3_dir, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     one, two = tmp_path / "one", tmp_path / "two"
-    train_in_process(_common(tiny_qwen3_dir, data) + [f"trainer.output_dir={one}"])
-    out = _run(_common(tiny_qwen3_dir, data) + [f"trainer.output_dir={two}"], tmp_path, nproc=2)
+    # the 2-process run goes on while this process trains the one-process run (one thread each)
+    with _launch(_common(tiny_qwen3_dir, data) + [f"trainer.output_dir={two}"], tmp_path, nproc=2) as launch:
+        train_in_process(_common(tiny_qwen3_dir, data) + [f"trainer.output_dir={one}"])
+        out = launch.wait(timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
     assert "2 ranks: dp=2" in out.stderr
     m1, m2 = _metrics(one), _metrics(two)
     assert [m["step"] for m in m1] == [m["step"] for m in m2] == [1, 2]
