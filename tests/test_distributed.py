@@ -4,16 +4,16 @@ Both runs sample every prompt group from the same noise (drawn for the whole ste
 chunks of the same shape, so rollouts and rewards agree exactly; the update sums gradients over ranks with the
 losses normalised by the global mini-batch, so weights agree to the rounding of those sums. The networks run in
 float64, so that rounding is float64's (one CPU's float32 kernels are not a contract: on an AVX-512 CPU this
-comparison in float32 moved grad_norm by 4e-3 relative). The 2-process run stops at a checkpoint and resumes,
-which must change nothing either. Every algorithm's layouts: tests/test_layouts.py.
+comparison in float32 moved grad_norm by 4e-3 relative). The 2-process run stops at a checkpoint and a second run
+resumes it (in the same launch; tests/test_elastic.py resumes in restarted ranks), which must change nothing either. Every algorithm's layouts: tests/test_layouts.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,17 +26,15 @@ from polyrl.distributed.dims import shard_range
 SKIP = ("time/", "perf/")
 
 
-def _launch(args: list[str], cwd, nproc: int = 2) -> Background:
+def _launch(runs: dict[str, list[str]], cwd, nproc: int = 2) -> Background:
+    """`runs` one after the other in each of `nproc` torchrun ranks, in one launch (layouts_worker.py: the process
+    group is kept between them; rank 0 writes each run's exit code to codes.json)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
-                "polyrl"]
-    return Background(launcher + ["train", *args], cwd=cwd, env=env)
-
-
-def _finished(launch: Background) -> subprocess.CompletedProcess:
-    out = launch.wait(timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
+    plan = cwd / "plan.json"
+    plan.write_text(json.dumps({name: ["train", *args] for name, args in runs.items()}))
+    worker = Path(__file__).parent / "layouts_worker.py"
+    return Background([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                       str(worker), str(plan), str(cwd / "codes.json")], cwd=cwd, env=env)
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -53,15 +51,18 @@ def test_two_process_run_equals_one_process_run_with_resume(tiny_sd3_dir, shape_
               "trainer.save_every=1", "trainer.progress=false", "trainer.tensorboard=false", "trainer.device=cpu",
               "model.dtype=float64"]
     one, two = tmp_path / "one", tmp_path / "two"
-    # the first 2-process segment runs while this process trains the one-process run (one thread each)
-    with _launch(common + ["trainer.max_steps=2", f"trainer.output_dir={two}"], tmp_path, nproc=2) as launch:
+    # the 2-process run (2 steps, then a second run that resumes it from its step-2 checkpoint and trains step 3,
+    # both in one launch) goes on while this process trains the one-process run (one thread each); a resume in
+    # freshly started ranks: tests/test_elastic.py
+    runs = {"first": common + ["trainer.max_steps=2", f"trainer.output_dir={two}"],
+            "resumed": common + ["trainer.max_steps=3", f"trainer.output_dir={two}", "trainer.resume=auto"]}
+    with _launch(runs, tmp_path, nproc=2) as launch:
         train_in_process(common + ["trainer.max_steps=3", f"trainer.output_dir={one}"])
-        first = _finished(launch)
-    assert "2 ranks: dp=2" in first.stderr
+        out = launch.wait(timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((tmp_path / "codes.json").read_text()) == {"first": 0, "resumed": 0}, out.stderr[-3000:]
+    assert "2 ranks: dp=2" in out.stderr and f"resuming run {two} from step_000002 (step 2)" in out.stderr
     assert (two / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
-    with _launch(common + ["trainer.max_steps=3", f"trainer.output_dir={two}", "trainer.resume=auto"], tmp_path,
-                 nproc=2) as launch:
-        _finished(launch)
 
     m1, m2 = _metrics(one), _metrics(two)
     assert [m["step"] for m in m1] == [m["step"] for m in m2] == [0, 1, 2, 3]
