@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_parallel_world2 import LORA, PROMPTS, assert_same, metrics, run_cli, run_many
+from test_parallel_world2 import LORA, PROMPTS, assert_same, metrics, run_cli, start_many
 
 FSDP = ["actor.backend=fsdp2"]
 ADAPTER = "adapter_model.safetensors"
@@ -54,10 +54,13 @@ def test_wan_sp2_equals_one_process_ti2v_and_two_experts(tmp_path):
     a14b = build_wan_fixture(tmp_path / "a14b", "wan2.1", boundary_ratio=0.875)
     runs = {"ti2v": wan_args(ti2v, 9, 96, 32),
             "a14b": wan_args(a14b, 1, 48, 16) + ["actor.gradient_checkpointing=true"]}
-    for name, args in runs.items():
-        run_cli(args + [f"trainer.output_dir={tmp_path / name / 'one'}"], tmp_path)
-    run_many([args + FSDP + ["parallel.sp=2", f"trainer.output_dir={tmp_path / name / 'sp2'}"]
-              for name, args in runs.items()], tmp_path, nproc=2)
+    # the sp2 launch (two one-thread ranks) runs while this process trains the one-process references at one thread
+    with start_many([args + FSDP + ["parallel.sp=2", f"trainer.output_dir={tmp_path / name / 'sp2'}"]
+                     for name, args in runs.items()], tmp_path, nproc=2) as launch:
+        for name, args in runs.items():
+            run_cli(args + [f"trainer.output_dir={tmp_path / name / 'one'}"], tmp_path)
+        out = launch.wait(timeout=900)
+    assert out.returncode == 0, out.stderr[-6000:]
     for name in runs:
         assert_same(tmp_path / name / "one", tmp_path / name / "sp2", [0, 1, 2], ADAPTER)
         first = metrics(tmp_path / name / "one")

@@ -83,11 +83,20 @@ def run_cli(args: list[str], cwd, nproc: int = 1, check: bool = True) -> subproc
     return out
 
 
-def run_many(runs: list[list[str]], cwd, nproc: int) -> None:
-    """Several training runs (override lists) one after the other in one `torchrun` launch of this file."""
+def start_many(runs: list[list[str]], cwd, nproc: int):
+    """Several training runs (override lists) one after the other in one `torchrun` launch of this file, started
+    now (a `conftest.Background`: `.wait(timeout)` it, inside a `with`)."""
+    from conftest import Background
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(HERE),
            json.dumps(runs)]
-    out = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=900)
+    return Background(cmd, cwd=cwd, env=_env())
+
+
+def run_many(runs: list[list[str]], cwd, nproc: int) -> None:
+    """`start_many`, awaited."""
+    with start_many(runs, cwd, nproc) as launch:
+        out = launch.wait(timeout=900)
     assert out.returncode == 0, out.stderr[-6000:]
 
 
