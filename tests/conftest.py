@@ -1,6 +1,8 @@
+import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -81,6 +83,18 @@ class Background:
         self._end()
         self._out.close()
         self._err.close()
+
+
+def launch_runs(runs: dict[str, list[str]], root, nproc: int = 2) -> Background:
+    """`polyrl train` with each override list of `runs`, one after the other in each of `nproc` torchrun ranks, in
+    one launch started now (layouts_worker.py: the process group is kept between runs; rank 0 writes each run's exit
+    code to root/codes.json)."""
+    plan = root / "plan.json"
+    plan.write_text(json.dumps({name: ["train", *args] for name, args in runs.items()}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    worker = os.path.join(os.path.dirname(__file__), "layouts_worker.py")
+    return Background([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                       worker, str(plan), str(root / "codes.json")], cwd=root, env=env)
 
 
 SHAPE_PROMPTS = [

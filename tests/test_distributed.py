@@ -11,30 +11,16 @@ resumes it (in the same launch; tests/test_elastic.py resumes in restarted ranks
 from __future__ import annotations
 
 import json
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import Background, train_in_process
+from conftest import launch_runs, train_in_process
 from safetensors.torch import load_file
 
 from polyrl.distributed import LocalEngine, ParallelDims
 from polyrl.distributed.dims import shard_range
 
 SKIP = ("time/", "perf/")
-
-
-def _launch(runs: dict[str, list[str]], cwd, nproc: int = 2) -> Background:
-    """`runs` one after the other in each of `nproc` torchrun ranks, in one launch (layouts_worker.py: the process
-    group is kept between them; rank 0 writes each run's exit code to codes.json)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    plan = cwd / "plan.json"
-    plan.write_text(json.dumps({name: ["train", *args] for name, args in runs.items()}))
-    worker = Path(__file__).parent / "layouts_worker.py"
-    return Background([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                       str(worker), str(plan), str(cwd / "codes.json")], cwd=cwd, env=env)
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -56,7 +42,7 @@ def test_two_process_run_equals_one_process_run_with_resume(tiny_sd3_dir, shape_
     # freshly started ranks: tests/test_elastic.py
     runs = {"first": common + ["trainer.max_steps=2", f"trainer.output_dir={two}"],
             "resumed": common + ["trainer.max_steps=3", f"trainer.output_dir={two}", "trainer.resume=auto"]}
-    with _launch(runs, tmp_path, nproc=2) as launch:
+    with launch_runs(runs, tmp_path, nproc=2) as launch:
         train_in_process(common + ["trainer.max_steps=3", f"trainer.output_dir={one}"])
         out = launch.wait(timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -18,14 +18,12 @@ launch for all algorithms (layouts_worker.py), started first: it runs while this
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import Background
+from conftest import launch_runs
 from safetensors.torch import load_file
 
 from polyrl.algorithms import ALGORITHMS
@@ -148,12 +146,7 @@ def two_ranks_launch(cases, tmp_path_factory, request):
         yield None, None
         return
     root = tmp_path_factory.mktemp("two_ranks")
-    plan = root / "plan.json"
-    plan.write_text(json.dumps({name: ["train", *args(root / name), "trainer.max_steps=2"] for name, args in cases.items()}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    worker = Path(__file__).parent / "layouts_worker.py"
-    with Background([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(worker),
-                     str(plan), str(root / "codes.json")], env=env) as launch:
+    with launch_runs({name: [*args(root / name), "trainer.max_steps=2"] for name, args in cases.items()}, root) as launch:
         yield root, launch
 
 
