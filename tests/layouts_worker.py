@@ -1,4 +1,4 @@
-"""Run several `polyrl train` commands one after the other in each torchrun rank (test_layouts.py): one launch
+"""Run several `polyrl train` commands one after the other in each torchrun rank (conftest.launch_runs: test_layouts.py, test_distributed.py): one launch
 instead of one per algorithm. argv: plan.json ({name: [train, args...]}), codes.json (rank 0 writes each run's
 exit code there).
 
