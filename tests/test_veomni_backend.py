@@ -125,7 +125,7 @@ def test_unsupported_layouts_are_config_errors(base, monkeypatch, world, keys, m
 # ----------------------------------------------------------------------------------------------- VeOmni
 @needs_veomni
 def test_veomni_sharded_runs_equal_one_process(tmp_path):
-    from test_parallel_world2 import LORA, _env, assert_same, build_fixture_dir, common, run_cli
+    from test_parallel_world2 import FLOAT64_TOLERANCES, LORA, _env, assert_same, build_fixture_dir, common, run_cli
 
     paths = build_fixture_dir(tmp_path)
     lora = common(paths) + LORA + ["trainer.max_steps=2"]
@@ -145,8 +145,8 @@ def test_veomni_sharded_runs_equal_one_process(tmp_path):
     assert out.returncode == 0, out.stderr[-6000:]
 
     for run in (shard, hsdp):
-        assert_same(ref_lora, run, [0, 1, 2], "adapter_model.safetensors")
-    assert_same(ref_full, full_shard, [0, 1, 2], "transformer.safetensors")
+        assert_same(ref_lora, run, [0, 1, 2], "adapter_model.safetensors", **FLOAT64_TOLERANCES)
+    assert_same(ref_full, full_shard, [0, 1, 2], "transformer.safetensors", **FLOAT64_TOLERANCES)
     for run, fsdp_dims in ((shard, ["dp_shard"]), (hsdp, ["dp_replicate", "dp_shard"]), (full_shard, ["dp_shard"])):
         for rank in (0, 1):
             seen = json.loads((run / f"veomni_rank{rank}.json").read_text())

@@ -82,7 +82,7 @@ def parallelize_with_veomni(network: torch.nn.Module, plan: dict | None, engine:
     values = {n: t.detach() for n, t in network.named_parameters(remove_duplicate=False)}
     values.update({n: t.detach() for n, t in network.named_buffers(remove_duplicate=False)})
     _parameters_to_meta(network)
-    if param_dtype == torch.float32:
+    if param_dtype in (torch.float32, torch.float64):  # full precision: VeOmni keeps the network's own dtype
         precision = MixedPrecisionConfig(enable=False)
     else:  # VeOmni then keeps every shard in float32 and gathers in param_dtype, reducing in float32
         precision = MixedPrecisionConfig(enable=True, param_dtype=str(param_dtype).removeprefix("torch."),
