@@ -5,10 +5,13 @@ model with `get_image_features` / `get_text_features`) loaded with `from_pretrai
 its tokenizer and image processor from the same directory or from `processor_path` (PickScore ships its
 model apart from the CLIP-H processor it was trained with). Images go through the checkpoint's own image
 processor (resize, centre crop, normalise) as uint8 RGB, so preprocessing is the checkpoint's, not ours.
+
+`ImageFeatures` is the image side alone, for any local image model (`group_diversity`, `temporal_consistency`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,6 +72,33 @@ class ClipEmbedder:
         t = {k: v.to(self.device) for k, v in self.text_inputs(prompts).items()}
         feats = self.model.get_text_features(input_ids=t["input_ids"], attention_mask=t.get("attention_mask"))
         return torch.nn.functional.normalize(_pooled(feats).float(), dim=-1)
+
+
+class ImageFeatures:
+    """A local image model's features: `__call__(images (N, 3, H, W) in [0, 1]) -> (N, D)` float32 on its device.
+
+    Any checkpoint `AutoModel` and `AutoImageProcessor` load from `path` (`what` names its config key in errors).
+    The features are `get_image_features` where the model has it (CLIP, SigLIP), else the forward's `pooler_output`
+    (a vision tower, DINOv2), else `pool(last_hidden_state)` with last_hidden_state (N, tokens, D)."""
+
+    def __init__(self, path: str, what: str, pool: Callable[[torch.Tensor], torch.Tensor], device: str = "auto",
+                 dtype: str = "float32"):
+        from transformers import AutoImageProcessor, AutoModel
+
+        path = local_dir(path, what)
+        self.device, self.dtype, self.pool = resolve_device(device), resolve_dtype(dtype), pool
+        self.model = AutoModel.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        self.processor = AutoImageProcessor.from_pretrained(path)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        pv = self.processor(images=image_batch_as_uint8(images), return_tensors="pt")["pixel_values"]
+        pv = pv.to(self.device, self.dtype)
+        if hasattr(self.model, "get_image_features"):
+            return _pooled(self.model.get_image_features(pixel_values=pv)).float()
+        out = self.model(pixel_values=pv)
+        pooled = getattr(out, "pooler_output", None)
+        return (pooled if pooled is not None else self.pool(out.last_hidden_state)).float()
 
 
 @register_reward("clip_score")

@@ -9,8 +9,8 @@ so a sample that repeats its siblings scores 0 and GRPO pushes the group apart. 
 (`reward=mix reward.mix={clip_score: 1.0, group_diversity: 0.2}`): alone it rewards noise.
 
 The feature model is any transformers checkpoint in a local directory that loads with `AutoModel` and
-`AutoImageProcessor`: a CLIP / SigLIP model (`get_image_features`), a CLIP vision tower with projection
-(`image_embeds`), or a plain vision encoder such as DINOv2 (`pooler_output`, else the mean of `last_hidden_state`).
+`AutoImageProcessor` (clip_score.ImageFeatures): a CLIP / SigLIP model (`get_image_features`), or a vision encoder
+such as a CLIP vision tower or DINOv2 (`pooler_output`, else the mean of `last_hidden_state` over tokens).
 Images go through the checkpoint's own image processor as uint8 RGB. One forward embeds the whole call (every group
 in it); the distances are taken within each group only.
 """
@@ -24,12 +24,9 @@ from .base import (
     check_batch,
     checked_group_ids,
     group_members,
-    image_batch_as_uint8,
     register_reward,
-    resolve_device,
-    resolve_dtype,
 )
-from .clip_score import local_dir
+from .clip_score import ImageFeatures
 
 
 def mean_feature_distance(features: torch.Tensor) -> torch.Tensor:
@@ -44,33 +41,6 @@ def mean_feature_distance(features: torch.Tensor) -> torch.Tensor:
     return (1.0 - cos).sum(1) / (n - 1)  # the diagonal adds 1 - 1 = 0
 
 
-class ImageFeatures:
-    """A local image feature model: `__call__(images (B, 3, H, W) in [0, 1]) -> (B, D) float32`."""
-
-    def __init__(self, path: str, device: str = "auto", dtype: str = "float32"):
-        from transformers import AutoImageProcessor, AutoModel
-
-        path = local_dir(path, "group_diversity feature model path")
-        self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
-        self.model = AutoModel.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
-        self.processor = AutoImageProcessor.from_pretrained(path)
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        pv = self.processor(images=image_batch_as_uint8(images), return_tensors="pt")["pixel_values"]
-        pv = pv.to(self.device, self.dtype)
-        if hasattr(self.model, "get_image_features"):
-            out = self.model.get_image_features(pixel_values=pv)
-            feats = out if isinstance(out, torch.Tensor) else out.pooler_output
-        else:
-            out = self.model(pixel_values=pv)
-            feats = getattr(out, "image_embeds", None)
-            if feats is None:
-                feats = out.pooler_output if getattr(out, "pooler_output", None) is not None else \
-                    out.last_hidden_state.mean(1)
-        return feats.float().cpu()
-
-
 @register_reward("group_diversity")
 class GroupDiversity:
     """Mean cosine distance of a sample's features to its group's other members (module docstring)."""
@@ -79,13 +49,13 @@ class GroupDiversity:
     media = ("images",)  # video: frame j of each member is compared with frame j of the others (call_reward)
 
     def __init__(self, path: str, device: str = "auto", dtype: str = "float32"):
-        self.features = ImageFeatures(path, device, dtype)
+        self.features = ImageFeatures(path, "group_diversity feature model path", lambda h: h.mean(1), device, dtype)
 
     def __call__(self, images, prompts, metadata=None, group_ids=None) -> RewardOutput:
         n = int(images.shape[0])
         check_batch("group_diversity", n, prompts, metadata)
         group_ids = checked_group_ids(self, group_ids, n)
-        feats = self.features(images)
+        feats = self.features(images).cpu()
         scores = torch.empty(n, dtype=torch.float64)
         for members in group_members(group_ids):
             scores[members] = mean_feature_distance(feats[members])

@@ -3,9 +3,9 @@
 Video in (B, T, 3, H, W), values in [0, 1]. With T frames x_0 .. x_{T-1}:
 
 * with `path` (a local image-encoder directory: CLIP / SigLIP vision tower, DINO/DINOv2, anything `AutoModel`
-  loads with an `AutoImageProcessor` beside it), every frame is embedded, f_t = normalise(e(x_t)) where e is
-  `get_image_features` when the model has it, else the `pooler_output`, else the first token of
-  `last_hidden_state`; score = (1/(T-1)) Σ_t cos(f_t, f_{t+1}), in [-1, 1];
+  loads with an `AutoImageProcessor` beside it), every frame is embedded (clip_score.ImageFeatures),
+  f_t = normalise(e(x_t)) where e is `get_image_features` when the model has it, else the `pooler_output`, else
+  the first token of `last_hidden_state`; score = (1/(T-1)) Σ_t cos(f_t, f_{t+1}), in [-1, 1];
 * without `path`, in pixel space: score = 1 - (1/(T-1)) Σ_t mean|x_{t+1} - x_t|, in [0, 1] (1 for a frozen clip).
 
 A one-frame clip scores 1. This is a flicker / identity-drift term meant to be mixed with a content or motion
@@ -16,33 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import RewardOutput, check_batch, image_batch_as_uint8, register_reward, resolve_device, resolve_dtype
-from .clip_score import local_dir
-
-
-class FrameEncoder:
-    """A local image encoder: frames (N, 3, H, W) in [0, 1] -> (N, D) float32, L2-normalised."""
-
-    def __init__(self, path: str, device: str = "auto", dtype: str = "float32"):
-        from transformers import AutoImageProcessor, AutoModel
-
-        path = local_dir(path, "temporal_consistency encoder path")
-        self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
-        self.model = AutoModel.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
-        self.processor = AutoImageProcessor.from_pretrained(path)
-
-    @torch.no_grad()
-    def __call__(self, frames: torch.Tensor) -> torch.Tensor:
-        pv = self.processor(images=image_batch_as_uint8(frames), return_tensors="pt")["pixel_values"]
-        pv = pv.to(self.device, self.dtype)
-        if hasattr(self.model, "get_image_features"):
-            out = self.model.get_image_features(pixel_values=pv)
-            feats = out if isinstance(out, torch.Tensor) else out.pooler_output
-        else:
-            out = self.model(pixel_values=pv)
-            pooled = getattr(out, "pooler_output", None)
-            feats = pooled if pooled is not None else out.last_hidden_state[:, 0]
-        return torch.nn.functional.normalize(feats.float().flatten(1), dim=-1)
+from .base import RewardOutput, check_batch, register_reward
+from .clip_score import ImageFeatures
 
 
 @register_reward("temporal_consistency")
@@ -54,7 +29,8 @@ class TemporalConsistency:
     media = ("video",)
 
     def __init__(self, path: str | None = None, device: str = "auto", dtype: str = "float32"):
-        self.encoder = FrameEncoder(path, device, dtype) if path else None
+        self.encoder = ImageFeatures(path, "temporal_consistency encoder path", lambda h: h[:, 0], device,
+                                     dtype) if path else None
 
     def pair_similarity(self, video: torch.Tensor) -> torch.Tensor:
         """(B, T-1) similarity of frames t and t+1."""
@@ -66,7 +42,8 @@ class TemporalConsistency:
         if self.encoder is None:
             v = video.float().clamp(0, 1)
             return 1.0 - (v[:, 1:] - v[:, :-1]).abs().flatten(2).mean(-1).cpu()
-        f = self.encoder(video.reshape(b * t, *video.shape[2:])).reshape(b, t, -1)
+        f = self.encoder(video.reshape(b * t, *video.shape[2:]))
+        f = torch.nn.functional.normalize(f.flatten(1), dim=-1).reshape(b, t, -1)
         return (f[:, 1:] * f[:, :-1]).sum(-1).cpu()
 
     def __call__(self, video: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> RewardOutput:
