@@ -459,16 +459,24 @@ class LocalActor:
     # ------------------------------------------------------------------------------------ rollout correction
     @torch.no_grad()
     def prepare_old(self, batch: Rollout) -> dict[str, float]:
-        """Fill `old_log_probs` / `old_means` / `step_weights` by rollout_correction.mode (§4); returns its stats."""
+        """Fill `old_log_probs` (and `old_means` / `step_weights`) by rollout_correction.mode (§4); returns its stats:
+        `bypass` takes the rollout's log-probs, `recompute` / `decoupled` run the old policy (`old_forward`, timed as
+        `time/old_logprob`)."""
         if not self.algo.uses_log_probs:
             return {}
-        mode = self.correction.mode
-        if mode == "bypass":
+        if self.correction.mode == "bypass":
             batch.old_log_probs = batch.log_probs
             return {"time/old_logprob": 0.0}
         t0 = time.perf_counter()
         old_policy = "old" if self.algo.samples_from_old else "current"
-        micro = micro_batch_samples(self.cfg.micro_batch_size, len(batch))
+        stats = self.old_forward(batch, old_policy, micro_batch_samples(self.cfg.micro_batch_size, len(batch)))
+        out = mean_stats(stats, self.engine)
+        out["time/old_logprob"] = time.perf_counter() - t0
+        return out
+
+    def old_forward(self, batch: Rollout, old_policy: str, micro: int) -> dict[str, list]:
+        """`prepare_old`'s old-policy forward over every trained step, `micro` samples at a time: fills `old_log_probs`,
+        `old_means` (and `step_weights` for decoupled); returns the correction stats for `mean_stats`."""
         lps, means = [], []
         for part in self._lockstep(list(torch.arange(len(batch)).split(micro)), self._sizes or [len(batch)]):
             sub = batch.select(torch.zeros(1, dtype=torch.long) if part is None else part)
@@ -482,14 +490,12 @@ class LocalActor:
         delta = (batch.old_log_probs - batch.log_probs).abs()
         n = delta.numel()
         stats = {"correction/abs_dlogp": [(delta.mean(), n)], "correction/max_abs_dlogp": [(delta.max(), 1)]}
-        if mode == "decoupled":
+        if self.correction.mode == "decoupled":
             weight, mask = correction_weights(batch.old_log_probs, batch.log_probs, self.correction.is_cap, self.bounds)
             batch.step_weights = weight * mask
             stats.update({"correction/is_weight_mean": [(weight.mean(), n)], "correction/is_weight_max": [(weight.max(), 1)],
                           "correction/is_weight_min": [(weight.min(), 1)], "correction/masked_frac": [(1 - mask.mean(), n)]})
-        out = mean_stats(stats, self.engine)
-        out["time/old_logprob"] = time.perf_counter() - t0
-        return out
+        return stats
 
     # ------------------------------------------------------------------------------------ update
     def update(self, algo, batch: Rollout, generator: torch.Generator) -> dict[str, float]:

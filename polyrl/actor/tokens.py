@@ -13,15 +13,13 @@ weights × the rejection mask per token; `log_ratio_bounds` masks tokens whose l
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..algorithms.streams import stream_token_weights
 from ..algorithms.token_losses import TokenScores
 from ..batch import Rollout, TokenBatch
 from ..sampling.tokens import TokenPlan, response_token_log_probs
-from .local import LocalActor, correction_weights, in_bounds, mean_stats, micro_batch_samples
+from .local import LocalActor, correction_weights, in_bounds
 
 
 class TokenActor(LocalActor):
@@ -76,18 +74,9 @@ class TokenActor(LocalActor):
         return TokenScores(log_prob, old, mask, weight)
 
     # ------------------------------------------------------------------------------------ rollout correction
-    @torch.no_grad()
-    def prepare_old(self, batch: Rollout) -> dict[str, float]:
-        """Fill `old_log_probs` (and `step_weights` for decoupled) per response token (§4); returns its stats."""
-        if not self.algo.uses_log_probs:
-            return {}
-        mode = self.correction.mode
-        if mode == "bypass":
-            batch.old_log_probs = batch.log_probs
-            return {"time/old_logprob": 0.0}
-        t0 = time.perf_counter()
-        old_policy = "old" if self.algo.samples_from_old else "current"
-        micro = micro_batch_samples(self.cfg.micro_batch_size, len(batch))
+    def old_forward(self, batch: Rollout, old_policy: str, micro: int) -> dict[str, list]:
+        """`prepare_old`'s old-policy forward per response token (§4): fills `old_log_probs` (and `step_weights` for
+        decoupled); returns the correction stats, averaged over response tokens."""
         old = torch.zeros_like(batch.log_probs)
         for part in torch.arange(len(batch)).split(micro):
             sub = batch.select(part)
@@ -98,7 +87,7 @@ class TokenActor(LocalActor):
         n = int(mask.sum())
         delta = (old - batch.log_probs).abs() * mask
         stats = {"correction/abs_dlogp": [(delta.sum() / max(n, 1), n)], "correction/max_abs_dlogp": [(delta.max(), 1)]}
-        if mode == "decoupled":
+        if self.correction.mode == "decoupled":
             weight, keep = correction_weights(old, batch.log_probs, self.correction.is_cap, self.bounds)
             batch.step_weights = weight * keep * mask
             valid = mask.bool()
@@ -108,6 +97,4 @@ class TokenActor(LocalActor):
                 "correction/is_weight_min": [(weight[valid].min() if n else weight.new_ones(()), 1)],
                 "correction/masked_frac": [(((1 - keep) * mask).sum() / max(n, 1), n)],
             })
-        out = mean_stats(stats, self.engine)
-        out["time/old_logprob"] = time.perf_counter() - t0
-        return out
+        return stats
