@@ -33,7 +33,7 @@ import torch
 
 from ..toy.motion_task import COLORS, DIRECTIONS, SHAPES, MotionSpec, parse_prompt
 from .base import RewardOutput, check_batch, register_reward
-from .shapes import Detection, ShapesReward
+from .shapes import Detection, ShapesReward, task_spec
 
 
 def _links(previous: np.ndarray, current: np.ndarray, max_step: float) -> np.ndarray:
@@ -119,13 +119,7 @@ class MotionReward:
 
     @staticmethod
     def _spec(prompt: str, meta: dict | None) -> MotionSpec:
-        if meta and "groups" in meta:
-            spec = MotionSpec.from_metadata(meta)
-        else:
-            try:
-                spec = parse_prompt(prompt)
-            except ValueError as e:
-                raise ValueError(f"motion reward cannot parse prompt {prompt!r}: {e}") from e
+        spec = task_spec(prompt, meta, MotionSpec.from_metadata, parse_prompt, "motion")
         for g in spec.groups:
             if g.color not in COLORS or g.shape not in SHAPES or g.direction not in DIRECTIONS:
                 raise ValueError(f"motion reward: unknown colour/shape/direction {g.color!r}/{g.shape!r}/"

@@ -82,6 +82,17 @@ def _relation_holds(relation: str, c0: np.ndarray, c1: np.ndarray) -> bool:
     raise ValueError(f"unknown relation {relation!r}")
 
 
+def task_spec(prompt: str, meta: dict | None, from_metadata, parse, reward: str):
+    """A toy task's spec of one sample (`shapes`, `motion`): from its metadata's `groups` where the row has them,
+    else parsed from the prompt by the task's grammar (a ValueError naming `reward` for text outside it)."""
+    if meta and "groups" in meta:
+        return from_metadata(meta)
+    try:
+        return parse(prompt)
+    except ValueError as e:
+        raise ValueError(f"{reward} reward cannot parse prompt {prompt!r}: {e}") from e
+
+
 @register_reward("shapes")
 class ShapesReward:
     """Fraction of the prompt's present / count / relation atoms that the detected objects satisfy.
@@ -190,13 +201,7 @@ class ShapesReward:
     # ------------------------------------------------------------------------------------------ scoring
     @staticmethod
     def _spec(prompt: str, meta: dict | None) -> ShapesSpec:
-        if meta and "groups" in meta:
-            spec = ShapesSpec.from_metadata(meta)
-        else:
-            try:
-                spec = parse_prompt(prompt)
-            except ValueError as e:
-                raise ValueError(f"shapes reward cannot parse prompt {prompt!r}: {e}") from e
+        spec = task_spec(prompt, meta, ShapesSpec.from_metadata, parse_prompt, "shapes")
         for g in spec.groups:
             if g.color not in _COLOR_INDEX or g.shape not in _SHAPE_INDEX:
                 raise ValueError(f"shapes reward: unknown colour/shape {g.color!r}/{g.shape!r} for prompt {prompt!r}")
