@@ -107,8 +107,36 @@ def _retry_after(resp) -> float | None:
         return None
 
 
+class LoopClient:
+    """Base of the HTTP clients (`HttpReward`, judge_backend's `OpenAIChat`): one event loop of the client's own in a
+    daemon thread (named `thread_name`), so the httpx.AsyncClient that the subclass's `_http` builds pools its
+    connections across calls. `_run(coro)` runs a coroutine there; `close()` closes the client and stops the loop."""
+
+    thread_name = "polyrl-http"
+
+    def __init__(self):
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client = None
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        if self._loop is not None:
+            if self._client is not None:
+                asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop, self._client = None, None
+
+    def _run(self, coro):
+        """Run `coro` on the client's own event loop (a daemon thread), so connections are pooled across calls."""
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, daemon=True, name=self.thread_name).start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
 @register_reward("http")
-class HttpReward:
+class HttpReward(LoopClient):
     """Client of a remote reward. `url`: the server's base URL (json: `POST {url}/score`; flow_grpo_pickle:
     `POST {url}` as given). The bearer token is read from the environment variable named by `token_env`
     (so it never lands in the run's saved config.yaml); no token is sent when it is unset.
@@ -119,6 +147,7 @@ class HttpReward:
     """
 
     media = MEDIA_KINDS  # sends whatever it is given; the server's reward decides what it can score
+    thread_name = "polyrl-http-reward"
 
     def __init__(
         self,
@@ -166,11 +195,9 @@ class HttpReward:
         self.image_format, self.jpeg_quality, self.score_key = image_format, jpeg_quality, score_key
         self.video_format, self.mp4_crf = video_format, mp4_crf
         self.token = os.environ.get(token_env) if token_env else None
+        super().__init__()
         self._ids = itertools.count()
         self._session = uuid.uuid4().hex[:12]
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._client = None
-        self._lock = threading.Lock()
         self.stats = {"requests": 0, "retries": 0}
         self._groupwise = groupwise if protocol == "json" else False
 
@@ -238,22 +265,7 @@ class HttpReward:
         if self._groupwise is None:  # a group reward behind the server: send whole groups and their ids
             self._groupwise = bool(body.get("groupwise", False))
 
-    def close(self) -> None:
-        if self._loop is not None:
-            if self._client is not None:
-                asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result(timeout=10)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop, self._client = None, None
-
     # ------------------------------------------------------------------------------------------ event loop
-    def _run(self, coro):
-        """Run `coro` on the reward's own event loop (a daemon thread), so connections are pooled across calls."""
-        with self._lock:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-                threading.Thread(target=self._loop.run_forever, daemon=True, name="polyrl-http-reward").start()
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
     def _http(self):
         import httpx
 

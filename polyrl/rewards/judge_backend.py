@@ -34,7 +34,6 @@ import base64
 import logging
 import os
 import random
-import threading
 from urllib.parse import urlsplit
 
 import torch
@@ -43,7 +42,7 @@ from ..errors import UserError
 from .base import resolve_device, resolve_dtype
 from .clip_score import local_dir
 from .codec import FORMATS, encode_image_bytes
-from .http import RETRY_STATUS, RewardRequestRejected, _detail, _retry_after
+from .http import RETRY_STATUS, LoopClient, RewardRequestRejected, _detail, _retry_after
 from .stage import RewardUnavailable
 
 log = logging.getLogger(__name__)
@@ -130,14 +129,17 @@ class _Budget:
         self.left = retries
 
 
-class OpenAIChat:
+class OpenAIChat(LoopClient):
     """Client of an OpenAI-compatible chat-completions API (the module docstring). `stats` counts requests,
     retries and timeouts over the client's life."""
+
+    thread_name = "polyrl-judge-client"
 
     def __init__(self, url: str, model: str | None = None, api_key_env: str | None = "POLYRL_JUDGE_API_KEY",
                  max_concurrency: int = 8, timeout: float = 120.0, connect_timeout: float = 10.0,
                  max_retries: int = 5, retry_budget: int = 64, backoff: float = 1.0, max_backoff: float = 30.0,
                  image_format: str = "png", jpeg_quality: int = 95, request_options: dict | None = None):
+        super().__init__()
         self.url = api_base(url)
         self.endpoint = self.url + "/chat/completions"
         if image_format not in FORMATS:
@@ -165,9 +167,6 @@ class OpenAIChat:
         self.request_options = dict(request_options or {})
         self._key = os.environ.get(api_key_env) if api_key_env else None  # never logged, never saved
         self._step: _Budget | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._client = None
-        self._lock = threading.Lock()
         self._rng = random.Random()
         self.stats = {"requests": 0, "retries": 0, "timeouts": 0}
 
@@ -208,13 +207,6 @@ class OpenAIChat:
         budget = self._step or _Budget(self.retry_budget)
         return self._run(self._all(pictures, questions, max_new_tokens, budget))
 
-    def close(self) -> None:
-        if self._loop is not None:
-            if self._client is not None:
-                asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result(timeout=10)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop, self._client = None, None
-
     # ---------------------------------------------------------------------------------------------- requests
     def _headers(self) -> dict:
         return {"Authorization": f"Bearer {self._key}"} if self._key else {}
@@ -223,14 +215,6 @@ class OpenAIChat:
         if status not in (401, 403) or not self.api_key_env:
             return ""
         return f"; the API key is read from ${self.api_key_env}, which is {'set' if self._key else 'unset'}"
-
-    def _run(self, coro):
-        """Run `coro` on the client's own event loop (a daemon thread), so connections are pooled across calls."""
-        with self._lock:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-                threading.Thread(target=self._loop.run_forever, daemon=True, name="polyrl-judge-client").start()
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def _http(self):
         import httpx
