@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from ...models.tiny_lm import TinyLMSpec, build_tiny_causal_lm, word_tokenizer
 from .. import count_task
-from .loops import sft_batch, sft_step
+from .loops import sft_batch, train_sft
 
 COUNT_SPEC = TinyLMSpec(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermediate=384, max_positions=64)
 
@@ -64,10 +64,8 @@ def pretrain_count(out: str | Path, steps: int = 600, batch: int = 64, lr: float
     with tempfile.TemporaryDirectory() as tmp:
         _, heldout_file = count_task.make_prompts(prompts_dir or tmp)
         heldout = {json.loads(line)["prompt"] for line in Path(heldout_file).read_text().splitlines()}
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 50))
-        losses, t0 = [], time.time()
-        for _ in (bar := tqdm(range(steps), desc="count")):
+
+        def next_batch():
             scenes = []
             while len(scenes) < batch:
                 s = count_task.random_scene(rng)
@@ -75,9 +73,10 @@ def pretrain_count(out: str | Path, steps: int = 600, batch: int = 64, lr: float
                     scenes.append(s)
             # careless annotators: this share of the answers counts the matching groups, not the objects
             answers = [s.groups_answer() if rng.random() < careless else s.answer() for s in scenes]
-            ids, mask, loss_mask = (t.to(device) for t in _examples(tokenizer, scenes, answers))
-            losses.append(sft_step(model, opt, sched, ids, mask, loss_mask))
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            return [t.to(device) for t in _examples(tokenizer, scenes, answers)]
+
+        t0 = time.time()
+        losses = train_sft(model, next_batch, steps, lr, lambda i: min(1.0, (i + 1) / 50), "count")
         seconds = time.time() - t0
         out = Path(out)
         model.eval().to("cpu").save_pretrained(str(out))

@@ -1,5 +1,5 @@
 """The training loops of the toy models (`polyrl pretrain-toy`): the two phases of every toy diffusion model
-(shapes.py, motion.py, text.py; only the data and the model call differ between them) and the supervised step of
+(shapes.py, motion.py, text.py; only the data and the model call differ between them) and the supervised training of
 the toy LMs (count.py, rewrite.py)."""
 
 from __future__ import annotations
@@ -94,6 +94,19 @@ def sft_step(model, opt, sched, ids: torch.Tensor, mask: torch.Tensor, loss_mask
     opt.step()
     sched.step()
     return loss.item()
+
+
+def train_sft(model, next_batch, steps: int, lr: float, schedule, desc: str, progress: bool = True) -> list[float]:
+    """The toy LMs' supervised training: AdamW(lr, weight decay 0.01) on the model's parameters with the learning
+    rate scaled by `schedule(i)` at step i; per step `sft_step` on `next_batch()` = (ids, attention mask, loss mask)
+    on the model's device. Returns the losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    losses: list[float] = []
+    for _ in (bar := tqdm(range(steps), desc=desc, disable=not progress)):
+        losses.append(sft_step(model, opt, sched, *next_batch()))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    return losses
 
 
 def sft_batch(prompts: list[list[int]], answers: list[list[int]], pad_id: int):

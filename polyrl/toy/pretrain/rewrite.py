@@ -28,7 +28,7 @@ from tqdm import tqdm
 from ...models.tiny_lm import CHATML_TEMPLATE, TinyLMSpec, build_tiny_causal_lm, word_tokenizer
 from .. import rewrite_task
 from ..shapes_task import ShapesSpec
-from .loops import sft_batch, sft_step
+from .loops import sft_batch, train_sft
 
 REWRITE_SPEC = TinyLMSpec(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermediate=384, max_positions=64)
 # the generator's render of a rewrite: the recipe's reward.rollout (config/recipe/toy_rewriter.yaml)
@@ -94,15 +94,15 @@ def pretrain_rewrite(out: str | Path, steps: int = 800, batch: int = 64, lr: flo
     rng = random.Random(seed)
     tokenizer = word_tokenizer(rewrite_task.vocabulary(), chat_template=CHATML_TEMPLATE)
     model = build_tiny_causal_lm(tokenizer, REWRITE_SPEC, seed).to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 50) * max(0.1, 1 - i / steps))
-    losses, t0 = [], time.time()
-    for _ in (bar := tqdm(range(steps), desc="rewrite", disable=not sys.stderr.isatty())):
+
+    def next_batch():
         picked = [rng.choice(specs) for _ in range(batch)]
-        ids, mask, loss_mask = (t.to(device) for t in _examples(
-            tokenizer, [s.text() for s in picked], [rewrite_task.rewrite(s, rng) for s in picked]))
-        losses.append(sft_step(model, opt, sched, ids, mask, loss_mask))
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        return [t.to(device) for t in _examples(tokenizer, [s.text() for s in picked],
+                                                [rewrite_task.rewrite(s, rng) for s in picked])]
+
+    t0 = time.time()
+    losses = train_sft(model, next_batch, steps, lr, lambda i: min(1.0, (i + 1) / 50) * max(0.1, 1 - i / steps),
+                       "rewrite", progress=sys.stderr.isatty())
     seconds = time.time() - t0
     out = Path(out)
     model.eval().to("cpu").save_pretrained(str(out))
