@@ -160,3 +160,57 @@ def test_the_generic_pipeline_composes_with_the_likelihood_free_algorithms():
                               ("toy_diffusion_dpo", "diffusion_dpo"), ("toy_flow_grpo", "flow_grpo")):
         cfg = load_config([f"recipe={recipe}", "model=diffusers_pipeline", "model.path=/nowhere"])
         assert cfg.model.name == "diffusers_pipeline" and cfg.algorithm.name == algorithm
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model=sd3", "model.path=/x", "trainer.seed=3", "++reward.async=true", "~trainer.loggers"],
+    ["recipe=toy_flow_grpo", "+trainer.new_key=1", "rollout.n=3"],
+    ["algorithm=dgpo", "algorithm.beta=0.5", "trainer.loggers=[tensorboard,wandb]", "data.path=${oc.env:HOME}"],
+    ["recipe=toy_count", "reward=shapes", "model.path=null"],
+    ["model={name: sd3}"],  # a dict value is a value override even on a group's key (Hydra's rule)
+    ["trainer.no_such_key=1"], ["recipe=no_such_recipe"], ["+model=sd3"], ["++model=sd3"],
+])
+def test_compose_in_two_stages_equals_hydras_compose(overrides):
+    """polyrl composes the group choices once (kept) and applies the value overrides to a copy; Hydra's `compose`
+    does both in one go. The result (values, interpolations, struct / read-only flags) and any error are the same,
+    also the second time (the kept stage is not changed by the first caller)."""
+    from omegaconf import OmegaConf
+
+    from polyrl.config import _compose, _hydra_compose
+
+    def outcome(fn):
+        try:
+            cfg = fn()
+        except Exception as e:  # noqa: BLE001 - the error is what is compared
+            return type(e), str(e)
+        flags = (OmegaConf.is_struct(cfg), OmegaConf.is_readonly(cfg), OmegaConf.is_struct(cfg.trainer))
+        text = OmegaConf.to_yaml(cfg)
+        cfg.trainer.seed = 12345  # a caller may change its copy
+        return text, flags
+
+    expected = outcome(lambda: _hydra_compose(tuple(overrides)))
+    assert outcome(lambda: _compose(overrides)) == expected
+    assert outcome(lambda: _compose(overrides)) == expected
+
+
+def test_a_reward_registered_after_a_compose_is_a_choice_of_the_next():
+    from polyrl.config import _compose
+    from polyrl.rewards import REWARDS, RewardOutput, register_reward
+
+    assert _compose(["recipe=toy_shapes"]).reward.name != "test_late_reward"
+    with pytest.raises(Exception, match="test_late_reward"):
+        _compose(["recipe=toy_shapes", "reward=test_late_reward"])
+
+    @register_reward("test_late_reward")
+    class LateReward:
+        def __init__(self, level: float = 0.25):
+            self.level = level
+
+        def __call__(self, samples, prompts, metadata=None):
+            return RewardOutput(scores=[self.level] * len(prompts))
+
+    try:
+        assert dict(_compose(["recipe=toy_shapes", "reward=test_late_reward"]).reward) == {
+            "name": "test_late_reward", "level": 0.25}
+    finally:
+        REWARDS.pop("test_late_reward", None)
