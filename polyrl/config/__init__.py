@@ -86,7 +86,6 @@ def _compose(overrides) -> DictConfig:
 
     from ..rewards import REWARDS
 
-    _register_code_rewards()
     parsed = OverridesParser.create().parse_overrides(list(overrides))
     if any(o.is_hydra_override() or o.is_sweep_override() for o in parsed):  # not polyrl's: Hydra in one go
         return _hydra_compose(tuple(overrides))
@@ -113,6 +112,7 @@ def _is_group(key: str) -> bool:
 def _hydra_compose(overrides: tuple[str, ...]) -> DictConfig:
     from hydra import compose, initialize_config_module
 
+    _register_code_rewards()  # before Hydra composes (a kept composition is keyed by the rewards it saw)
     with initialize_config_module("polyrl.config", version_base="1.3"):
         return compose("config", overrides=list(overrides))
 
